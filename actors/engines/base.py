@@ -1,0 +1,74 @@
+"""The engine seam: what every generation engine (torch, vllm) offers the actor loop.
+
+An engine turns prompt token ids into sampled completions with the per-token log-probability of
+each sampled token under the distribution it was actually sampled from (after temperature and
+top-p), as float32. It also swaps in new weights (`load_weights`) and reports the
+`policy_version` of the weights it currently holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One prompt to sample `n` completions for."""
+
+    prompt_tokens: Sequence[int]
+    """Prompt token ids (bos included if the tokenizer adds one)."""
+    n: int = 1
+    """Completions to sample for this prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    max_new_tokens: int = 16
+    """Completion length limit in tokens (the stop token counts)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sample ends after emitting one of these (it is kept in the completion)."""
+    seed: int | None = None
+    """Seed for this request's sampling; None = engine's own stream."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One sampled completion."""
+
+    completion_tokens: np.ndarray
+    """int32 [T]: the generated token ids (stop token included when hit)."""
+    logprobs: np.ndarray
+    """float32 [T]: log-prob of each generated token under the sampling distribution."""
+    finish_reason: Literal["stop", "length"]
+    """`stop` if a stop token ended it, `length` if max_new_tokens did."""
+    policy_version: int = 0
+    """Policy version of the weights that produced it."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the actor loop needs from a generation engine."""
+
+    @property
+    def policy_version(self) -> int:
+        """Policy version of the weights currently loaded."""
+        ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """Sample `request.n` completions per request; result[i] belongs to requests[i]."""
+        ...
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
+    ) -> None:
+        """Copy these Hugging Face-named tensors into the model; then hold `policy_version`."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+        ...

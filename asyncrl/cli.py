@@ -1,0 +1,43 @@
+"""The `asyncrl` command: one subcommand per process role, each loaded lazily.
+
+    asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/server.py)
+    asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor.py)
+    asyncrl learner --config C --hub EP                    the learner (learner/loop.py)
+    asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (asyncrl/run.py)
+    asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
+    asyncrl bench   NAME [args...]                         a benchmark from bench/
+
+Subcommand modules are imported only when chosen, so `asyncrl replay` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "replay": ("replay.server", "main"),
+    "actor": ("actors.actor", "main"),
+    "learner": ("learner.loop", "main"),
+    "run": ("asyncrl.run", "main"),
+    "keygen": ("asyncrl.auth", "keygen_main"),
+    "bench": ("asyncrl.bench_cli", "main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `asyncrl SUBCOMMAND ...` to its module's main(argv)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"asyncrl: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

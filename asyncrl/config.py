@@ -1,0 +1,408 @@
+"""Run configuration: one frozen dataclass per component, composed into `RunConfig`.
+
+TOML is the source of truth; `--set section.key=value` overrides a single field. Loading is
+strict: an unknown section or key, a value of the wrong type, or a value out of range raises
+`ValueError` naming the key (e.g. ``replay.max_staleness: must be >= 0, got -1``).
+Derived values are properties, never written back. `config_hash` covers the fields that
+processes must agree on (the `Hello` handshake compares it).
+
+This module imports no torch and no vllm: the hub loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    """Where a run lives and how long it may take."""
+
+    run_dir: str = "runs/latest"
+    """Directory that receives the resolved config, metrics, checkpoints and plots."""
+    seed: int = 0
+    """Base seed: actors use seed + actor index, the learner uses seed."""
+    num_actors: int = 1
+    """Rollout actor processes that `asyncrl run` starts."""
+    max_wall_s: float = 0.0
+    """Wall-clock budget of `asyncrl run` in seconds; 0 means no limit (stop at max_steps)."""
+    progress_every_s: float = 1.0
+    """Seconds between progress lines of `asyncrl run`."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_actors >= 1, "run.num_actors", "must be >= 1", self.num_actors)
+        _check(self.max_wall_s >= 0, "run.max_wall_s", "must be >= 0", self.max_wall_s)
+        _check(self.progress_every_s > 0, "run.progress_every_s", "must be > 0", self.progress_every_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy model. Empty `path` builds the tiny embedded Llama (never downloaded)."""
+
+    path: str = ""
+    """Hugging Face model directory; empty builds the tiny model into `cache_dir`."""
+    cache_dir: str = "~/.cache/asyncrl/models"
+    """Where built tiny models are kept, keyed by the hash of their settings."""
+    hidden_size: int = 128
+    """Tiny model: width (head_dim = hidden_size / num_heads must be >= 32 for vLLM on CPU)."""
+    num_layers: int = 2
+    """Tiny model: decoder layers."""
+    num_heads: int = 4
+    """Tiny model: attention heads."""
+    num_kv_heads: int = 2
+    """Tiny model: key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """Tiny model: MLP width."""
+    init_seed: int = 0
+    """Tiny model: seed of the random initialisation."""
+    warm_start_steps: int = 0
+    """Tiny model: supervised warm-start steps on the task's format before RL (0 = none)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training and generation."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
+        _check(
+            self.hidden_size % self.num_heads == 0,
+            "model.hidden_size",
+            f"must be divisible by model.num_heads={self.num_heads}",
+            self.hidden_size,
+        )
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            f"must divide model.num_heads={self.num_heads}",
+            self.num_kv_heads,
+        )
+        _check(self.warm_start_steps >= 0, "model.warm_start_steps", "must be >= 0", self.warm_start_steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The environment and its verifiable reward."""
+
+    name: Literal["sort"] = "sort"
+    """Task: `sort` = answer the prompt's digits in ascending order."""
+    num_digits: int = 4
+    """Digits per prompt."""
+    num_prompts: int = 10000
+    """Prompts in the generated dataset."""
+    dataset: str = ""
+    """JSONL prompt dataset; empty generates one deterministically into the run directory."""
+    seed: int = 1234
+    """Seed of the dataset generator."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.num_digits <= 32, "task.num_digits", "must be in [1, 32]", self.num_digits)
+        _check(self.num_prompts >= 1, "task.num_prompts", "must be >= 1", self.num_prompts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """The hub: admission, staleness bound, storage and sockets."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    """Endpoint to bind (port 0 = OS-chosen; `ipc://path` works too). Non-loopback needs auth."""
+    max_staleness: int = 4
+    """η: no group is handed out with policy_version - min_policy_version > η. 0 = synchronous."""
+    capacity_groups: int = 4096
+    """Most groups stored at once; pushes beyond it are refused with an Error (never dropped)."""
+    sampling: Literal["fifo", "freshest"] = "fifo"
+    """Which eligible groups a batch takes first: oldest inserted, or newest policy version."""
+    max_times_sampled: int = 1
+    """How often one group may be handed out (1 = on-policy style, consumed once)."""
+    samples_per_insert: float = 0.0
+    """Reverb-style rate limit for reuse (0 = off): target sampled / inserted groups."""
+    samples_per_insert_tolerance: float = 64.0
+    """Allowed deviation from samples_per_insert, in groups; must exceed one batch."""
+    heartbeat_interval_s: float = 1.0
+    """How often clients heartbeat."""
+    heartbeat_timeout_s: float = 10.0
+    """A client silent this long is dead: its credits expire and prompts are re-issued."""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """Largest message accepted (ZMQ_MAXMSGSIZE and codec check)."""
+    hwm: int = 10000
+    """ZeroMQ send/receive high-water marks, in messages."""
+    auth_dir: str = ""
+    """Directory with CURVE keys (`asyncrl keygen`); empty = no auth, loopback only."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_staleness >= 0, "replay.max_staleness", "must be >= 0", self.max_staleness)
+        _check(self.capacity_groups >= 1, "replay.capacity_groups", "must be >= 1", self.capacity_groups)
+        _check(self.max_times_sampled >= 1, "replay.max_times_sampled", "must be >= 1", self.max_times_sampled)
+        _check(self.samples_per_insert >= 0, "replay.samples_per_insert", "must be >= 0", self.samples_per_insert)
+        _check(self.heartbeat_interval_s > 0, "replay.heartbeat_interval_s", "must be > 0", self.heartbeat_interval_s)
+        _check(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s,
+            "replay.heartbeat_timeout_s",
+            f"must exceed replay.heartbeat_interval_s={self.heartbeat_interval_s}",
+            self.heartbeat_timeout_s,
+        )
+        _check(self.max_message_bytes >= 1024, "replay.max_message_bytes", "must be >= 1024", self.max_message_bytes)
+        _check(self.hwm >= 1, "replay.hwm", "must be >= 1", self.hwm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    """A rollout actor: engine and sampling."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """Generation engine: `torch` (embedded default) or `vllm`."""
+    group_size: int = 8
+    """Samples per prompt (the GRPO group)."""
+    concurrency: int = 4
+    """Groups one actor holds credits for at once (generated together as one batch)."""
+    max_new_tokens: int = 8
+    """Completion length limit in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); logprobs are under this distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; logprobs are under the truncated distribution."""
+    vllm_kv_cache_gib: float = 1.0
+    """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+
+    def __post_init__(self) -> None:
+        _check(self.group_size >= 1, "actor.group_size", "must be >= 1", self.group_size)
+        _check(self.concurrency >= 1, "actor.concurrency", "must be >= 1", self.concurrency)
+        _check(self.max_new_tokens >= 1, "actor.max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(self.temperature > 0, "actor.temperature", "must be > 0", self.temperature)
+        _check(0 < self.top_p <= 1, "actor.top_p", "must be in (0, 1]", self.top_p)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The policy loss family of DESIGN §5 behind one signature."""
+
+    name: Literal["ppo", "decoupled_ppo", "truncated_is", "masked_is", "gspo", "cispo"] = (
+        "decoupled_ppo"
+    )
+    """Which objective: plain PPO/GRPO clip, AReaL's decoupled PPO, truncated IS, masked IS,
+    sequence-level geometric-mean ratio (GSPO), or CISPO."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """ε_high (clip-higher): the ratio is clipped above at 1 + clip_high."""
+    is_cap: float = 2.0
+    """C: truncated IS weight min(π_prox/μ, C); decoupled PPO masks tokens with π_prox/μ > C."""
+    mask_low: float = 0.5
+    """α of masked IS: tokens with ratio < α are masked."""
+    mask_high: float = 2.0
+    """β of masked IS: tokens with ratio > β are masked."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "dr_grpo"] = "token_mean"
+    """How token losses become one number."""
+    adv_std_norm: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); off = Dr.GRPO style."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.clip_low < 1, "loss.clip_low", "must be in [0, 1)", self.clip_low)
+        _check(self.clip_high >= 0, "loss.clip_high", "must be >= 0", self.clip_high)
+        _check(self.is_cap >= 1, "loss.is_cap", "must be >= 1", self.is_cap)
+        _check(0 <= self.mask_low <= 1, "loss.mask_low", "must be in [0, 1]", self.mask_low)
+        _check(self.mask_high >= 1, "loss.mask_high", "must be >= 1", self.mask_high)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """The training loop."""
+
+    groups_per_step: int = 8
+    """Groups (prompts) per optimizer step; the hub's admission rule uses it too."""
+    micro_batch_samples: int = 64
+    """Samples per forward/backward micro-batch (gradients accumulate across them)."""
+    max_steps: int = 200
+    """Optimizer steps before the learner stops."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    publish_every: int = 1
+    """Publish weights to actors every N steps."""
+    world: int = 1
+    """Learner ranks (torch.distributed world size)."""
+
+    def __post_init__(self) -> None:
+        _check(self.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1", self.groups_per_step)
+        _check(
+            self.micro_batch_samples >= 1, "learner.micro_batch_samples", "must be >= 1", self.micro_batch_samples
+        )
+        _check(self.max_steps >= 1, "learner.max_steps", "must be >= 1", self.max_steps)
+        _check(self.lr > 0, "learner.lr", "must be > 0", self.lr)
+        _check(self.grad_clip >= 0, "learner.grad_clip", "must be >= 0", self.grad_clip)
+        _check(self.checkpoint_every >= 0, "learner.checkpoint_every", "must be >= 0", self.checkpoint_every)
+        _check(self.publish_every >= 1, "learner.publish_every", "must be >= 1", self.publish_every)
+        _check(self.world >= 1, "learner.world", "must be >= 1", self.world)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsConfig:
+    """Weight broadcast from the learner to the actors."""
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """Transfer backend: gloo (CPU, torch.distributed) or nccl (GPU, cupy)."""
+    bucket_bytes: int = 64 * 1024 * 1024
+    """Largest flat bucket in bytes; parameters are packed by dtype in a fixed order."""
+    timeout_s: float = 60.0
+    """A broadcast or group formation slower than this aborts and re-forms without laggards."""
+    host: str = "127.0.0.1"
+    """Address the learner's rendezvous store listens on (announced through the hub)."""
+
+    def __post_init__(self) -> None:
+        _check(self.bucket_bytes >= 1024, "weights.bucket_bytes", "must be >= 1024", self.bucket_bytes)
+        _check(self.timeout_s > 0, "weights.timeout_s", "must be > 0", self.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one run needs; each section belongs to one component."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Trajectories per optimizer step."""
+        return self.learner.groups_per_step * self.actor.group_size
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict, as written to the run directory."""
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Hash of the settings all processes must agree on (model, task, sampling shape)."""
+        shared = {
+            "model": dataclasses.asdict(self.model),
+            "task": dataclasses.asdict(self.task),
+            "group_size": self.actor.group_size,
+            "groups_per_step": self.learner.groups_per_step,
+            "max_staleness": self.replay.max_staleness,
+            "weights": {"backend": self.weights.backend, "bucket_bytes": self.weights.bucket_bytes},
+        }
+        blob = json.dumps(shared, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _check(ok: bool, key: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{key}: {rule}, got {value!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Read a TOML file (or defaults when `path` is None) and apply `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{p}: invalid TOML: {exc}") from exc
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ValueError(f"{section}: must be a table, got {raw[section]!r}")
+        raw[section][key] = value
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a `RunConfig` from nested dicts, strictly (unknown keys and bad types fail)."""
+    sections = {f.name: f for f in dataclasses.fields(RunConfig)}
+    kwargs: dict[str, Any] = {}
+    for name, values in raw.items():
+        if name not in sections:
+            raise ValueError(f"{name}: unknown config section (known: {', '.join(sections)})")
+        if not isinstance(values, dict):
+            raise ValueError(f"{name}: must be a table, got {values!r}")
+        cls = _section_class(name)
+        kwargs[name] = _build_section(name, cls, values)
+    return RunConfig(**kwargs)
+
+
+def _section_class(name: str) -> type:
+    hints = typing.get_type_hints(RunConfig)
+    return hints[name]
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{section}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{key}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        raise AssertionError(f"{key}: union config fields are not supported")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"{key}: unsupported config type {hint!r}")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected section.key=value")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as `vllm` is a string
+    return parts[0], parts[1], value
+
+
+def to_toml(config: RunConfig) -> str:
+    """Render the resolved config as TOML (written into the run directory)."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The embedded default model: a tiny random Llama and its character tokenizer, built locally.
+
+`ensure_model(model, task)` returns a Hugging Face model directory that transformers and vLLM
+both load offline. With `model.path` set it is that directory; otherwise the tiny model is built
+into `<model.cache_dir>/<hash of its settings>/` from nothing but the config (nothing is ever
+downloaded):
+
+- tokenizer: one token per character over a fixed alphabet (digits, ':', ' ') plus the special
+  tokens `<pad>`, `<bos>`, `<eos>`, `<unk>`; 16 tokens in all (a multiple of 8). It is made with
+  `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
+  `PreTrainedTokenizerFast`;
+- model: `LlamaForCausalLM` with untied embeddings, widths from `ModelConfig`, seeded random
+  initialisation (`model.init_seed`), saved as safetensors in `model.dtype`.
+
+Builds are atomic: a process builds into a private temporary directory and renames it into
+place; a process that loses the race discards its copy and uses the winner's. An existing build
+is reused as is, so every process of a run (actors, learner) sees byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from asyncrl.config import ModelConfig, TaskConfig
+
+BUILD_FORMAT = 1
+"""Bumped whenever the built files change for the same settings (invalidates cached builds)."""
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+ALPHABET = tuple("0123456789") + (":", " ")
+"""Every character a prompt or an answer of the built-in tasks may contain."""
+MAX_POSITIONS = 128
+"""Longest sequence (prompt + completion) the tiny model is built for, in tokens."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ensure_model(model: ModelConfig, task: TaskConfig) -> Path:
+    """Return the model directory for `model`, building the tiny model on first use."""
+    if model.path:
+        path = Path(model.path).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model.path: directory not found: {str(path)!r}")
+        return path
+    if model.warm_start_steps > 0:
+        raise ValueError(
+            "model.warm_start_steps: supervised warm start is not supported by the tiny model "
+            f"(RL learns the built-in tasks from scratch); set it to 0, got {model.warm_start_steps}"
+        )
+    cache = Path(model.cache_dir).expanduser()
+    final = cache / build_key(model)
+    if (final / "config.json").is_file():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=cache))
+    try:
+        _build(model, tmp)
+        os.rename(tmp, final)  # atomic; fails if another process already renamed its build in
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_key(model: ModelConfig) -> str:
+    """Directory name of a tiny-model build: a hash of every setting that shapes its files."""
+    settings = dataclasses.asdict(model)
+    for unrelated in ("path", "cache_dir"):
+        settings.pop(unrelated)
+    settings["build_format"] = BUILD_FORMAT
+    settings["alphabet"] = "".join(ALPHABET)
+    settings["max_positions"] = MAX_POSITIONS
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return "tiny-llama-" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+def vocab() -> dict[str, int]:
+    """Token -> id of the tiny tokenizer: special tokens first, then the alphabet."""
+    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny character-level tokenizer (adds `<bos>` in front of every encoded text)."""
+    ids = vocab()
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, ids[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=MAX_POSITIONS,
+        padding_side="left",
+    )
+
+
+def build_llama_config(model: ModelConfig) -> LlamaConfig:
+    """The `LlamaConfig` of the tiny model."""
+    ids = vocab()
+    head_dim = model.hidden_size // model.num_heads
+    return LlamaConfig(
+        vocab_size=len(ids),
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        torch_dtype=model.dtype,
+    )
+
+
+def _build(model: ModelConfig, out: Path) -> None:
+    build_tokenizer().save_pretrained(out)
+    config = build_llama_config(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model.init_seed)
+        llama = LlamaForCausalLM(config)
+    llama.to(_DTYPES[model.dtype])
+    llama.save_pretrained(out, safe_serialization=True)
