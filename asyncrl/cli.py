@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"asyncrl: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        print(
+            f"asyncrl: unknown command {name!r} (choose from {', '.join(COMMANDS)})",
+            file=sys.stderr,
+        )
         return 2
     module, func = COMMANDS[name]
     return int(getattr(importlib.import_module(module), func)(rest) or 0)

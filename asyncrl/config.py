@@ -36,11 +36,21 @@ class RunSection:
     """Wall-clock budget of `asyncrl run` in seconds; 0 means no limit (stop at max_steps)."""
     progress_every_s: float = 1.0
     """Seconds between progress lines of `asyncrl run`."""
+    learner_threads: int = 0
+    """torch threads of the learner process; 0 = half the cores (at least 1)."""
+    actor_threads: int = 0
+    """torch threads of each actor process; 0 = the remaining cores shared among actors."""
 
     def __post_init__(self) -> None:
         _check(self.num_actors >= 1, "run.num_actors", "must be >= 1", self.num_actors)
         _check(self.max_wall_s >= 0, "run.max_wall_s", "must be >= 0", self.max_wall_s)
-        _check(self.progress_every_s > 0, "run.progress_every_s", "must be > 0", self.progress_every_s)
+        _check(
+            self.learner_threads >= 0, "run.learner_threads", "must be >= 0", self.learner_threads
+        )
+        _check(self.actor_threads >= 0, "run.actor_threads", "must be >= 0", self.actor_threads)
+        _check(
+            self.progress_every_s > 0, "run.progress_every_s", "must be > 0", self.progress_every_s
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +93,12 @@ class ModelConfig:
             f"must divide model.num_heads={self.num_heads}",
             self.num_kv_heads,
         )
-        _check(self.warm_start_steps >= 0, "model.warm_start_steps", "must be >= 0", self.warm_start_steps)
+        _check(
+            self.warm_start_steps >= 0,
+            "model.warm_start_steps",
+            "must be >= 0",
+            self.warm_start_steps,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,17 +152,42 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_staleness >= 0, "replay.max_staleness", "must be >= 0", self.max_staleness)
-        _check(self.capacity_groups >= 1, "replay.capacity_groups", "must be >= 1", self.capacity_groups)
-        _check(self.max_times_sampled >= 1, "replay.max_times_sampled", "must be >= 1", self.max_times_sampled)
-        _check(self.samples_per_insert >= 0, "replay.samples_per_insert", "must be >= 0", self.samples_per_insert)
-        _check(self.heartbeat_interval_s > 0, "replay.heartbeat_interval_s", "must be > 0", self.heartbeat_interval_s)
+        _check(
+            self.capacity_groups >= 1,
+            "replay.capacity_groups",
+            "must be >= 1",
+            self.capacity_groups,
+        )
+        _check(
+            self.max_times_sampled >= 1,
+            "replay.max_times_sampled",
+            "must be >= 1",
+            self.max_times_sampled,
+        )
+        _check(
+            self.samples_per_insert >= 0,
+            "replay.samples_per_insert",
+            "must be >= 0",
+            self.samples_per_insert,
+        )
+        _check(
+            self.heartbeat_interval_s > 0,
+            "replay.heartbeat_interval_s",
+            "must be > 0",
+            self.heartbeat_interval_s,
+        )
         _check(
             self.heartbeat_timeout_s > self.heartbeat_interval_s,
             "replay.heartbeat_timeout_s",
             f"must exceed replay.heartbeat_interval_s={self.heartbeat_interval_s}",
             self.heartbeat_timeout_s,
         )
-        _check(self.max_message_bytes >= 1024, "replay.max_message_bytes", "must be >= 1024", self.max_message_bytes)
+        _check(
+            self.max_message_bytes >= 1024,
+            "replay.max_message_bytes",
+            "must be >= 1024",
+            self.max_message_bytes,
+        )
         _check(self.hwm >= 1, "replay.hwm", "must be >= 1", self.hwm)
 
 
@@ -173,7 +213,9 @@ class ActorConfig:
     def __post_init__(self) -> None:
         _check(self.group_size >= 1, "actor.group_size", "must be >= 1", self.group_size)
         _check(self.concurrency >= 1, "actor.concurrency", "must be >= 1", self.concurrency)
-        _check(self.max_new_tokens >= 1, "actor.max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(
+            self.max_new_tokens >= 1, "actor.max_new_tokens", "must be >= 1", self.max_new_tokens
+        )
         _check(self.temperature > 0, "actor.temperature", "must be > 0", self.temperature)
         _check(0 < self.top_p <= 1, "actor.top_p", "must be in (0, 1]", self.top_p)
 
@@ -234,14 +276,27 @@ class LearnerConfig:
     """Learner ranks (torch.distributed world size)."""
 
     def __post_init__(self) -> None:
-        _check(self.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1", self.groups_per_step)
         _check(
-            self.micro_batch_samples >= 1, "learner.micro_batch_samples", "must be >= 1", self.micro_batch_samples
+            self.groups_per_step >= 1,
+            "learner.groups_per_step",
+            "must be >= 1",
+            self.groups_per_step,
+        )
+        _check(
+            self.micro_batch_samples >= 1,
+            "learner.micro_batch_samples",
+            "must be >= 1",
+            self.micro_batch_samples,
         )
         _check(self.max_steps >= 1, "learner.max_steps", "must be >= 1", self.max_steps)
         _check(self.lr > 0, "learner.lr", "must be > 0", self.lr)
         _check(self.grad_clip >= 0, "learner.grad_clip", "must be >= 0", self.grad_clip)
-        _check(self.checkpoint_every >= 0, "learner.checkpoint_every", "must be >= 0", self.checkpoint_every)
+        _check(
+            self.checkpoint_every >= 0,
+            "learner.checkpoint_every",
+            "must be >= 0",
+            self.checkpoint_every,
+        )
         _check(self.publish_every >= 1, "learner.publish_every", "must be >= 1", self.publish_every)
         _check(self.world >= 1, "learner.world", "must be >= 1", self.world)
 
@@ -260,7 +315,9 @@ class WeightsConfig:
     """Address the learner's rendezvous store listens on (announced through the hub)."""
 
     def __post_init__(self) -> None:
-        _check(self.bucket_bytes >= 1024, "weights.bucket_bytes", "must be >= 1024", self.bucket_bytes)
+        _check(
+            self.bucket_bytes >= 1024, "weights.bucket_bytes", "must be >= 1024", self.bucket_bytes
+        )
         _check(self.timeout_s > 0, "weights.timeout_s", "must be > 0", self.timeout_s)
 
 

@@ -218,7 +218,9 @@ class Group:
             credit_id=credit_id,
             actor_id=actor_id,
             seq=seq,
-            trajectory_ids=[t.trajectory_id or f"{group_id}/{i}" for i, t in enumerate(trajectories)],
+            trajectory_ids=[
+                t.trajectory_id or f"{group_id}/{i}" for i, t in enumerate(trajectories)
+            ],
             seq_lens=[int(t.tokens.shape[0]) for t in trajectories],
             prompt_lens=[int(t.prompt_len) for t in trajectories],
             rewards=[float(t.reward) for t in trajectories],
@@ -425,7 +427,9 @@ def _specs_of(cls: type) -> tuple[_Spec, ...]:
             kind, nested = "msgs", args[0]
         else:
             raise AssertionError(f"{cls.__name__}.{f.name}: unsupported wire type {hint!r}")
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        has_default = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
         required = not has_default or kind == "array"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory
         specs.append(
@@ -442,7 +446,9 @@ def _specs_of(cls: type) -> tuple[_Spec, ...]:
     return tuple(specs)
 
 
-_SPECS: dict[type, tuple[_Spec, ...]] = {cls: _specs_of(cls) for cls in (*MESSAGE_TYPES, CreditItem)}
+_SPECS: dict[type, tuple[_Spec, ...]] = {
+    cls: _specs_of(cls) for cls in (*MESSAGE_TYPES, CreditItem)
+}
 _BY_NAME: dict[str, type] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
@@ -490,7 +496,9 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     bufs = [memoryview(f.buffer) if hasattr(f, "buffer") else memoryview(f) for f in frames]
     total = sum(b.nbytes for b in bufs)
     if total > max_message_bytes:
-        raise ProtocolError("message", f"{total} bytes exceeds the limit of {max_message_bytes}", "too_large")
+        raise ProtocolError(
+            "message", f"{total} bytes exceeds the limit of {max_message_bytes}", "too_large"
+        )
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -513,7 +521,9 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     return msg
 
 
-def _decode_obj(cls: type, data: dict[str, Any], bufs: list[memoryview], used: set[int], prefix: str) -> Any:
+def _decode_obj(
+    cls: type, data: dict[str, Any], bufs: list[memoryview], used: set[int], prefix: str
+) -> Any:
     kwargs: dict[str, Any] = {}
     for spec in _SPECS[cls]:
         path = prefix + spec.name
@@ -527,7 +537,9 @@ def _decode_obj(cls: type, data: dict[str, Any], bufs: list[memoryview], used: s
     return cls(**kwargs)
 
 
-def _decode_value(spec: _Spec, value: Any, bufs: list[memoryview], used: set[int], path: str) -> Any:
+def _decode_value(
+    spec: _Spec, value: Any, bufs: list[memoryview], used: set[int], path: str
+) -> Any:
     kind = spec.kind
     if kind == "int":
         if type(value) is not int:
@@ -586,13 +598,19 @@ def _decode_list(kind: str, value: Any, path: str) -> list[Any]:
 _INT, _STR, _NUM = {int}, {str}, {int, float}
 
 
-def _decode_array(spec: _Spec, ref: Any, bufs: list[memoryview], used: set[int], path: str) -> np.ndarray:
+def _decode_array(
+    spec: _Spec, ref: Any, bufs: list[memoryview], used: set[int], path: str
+) -> np.ndarray:
     if type(ref) is not dict or set(ref) != {"dtype", "shape", "frame"}:
         raise ProtocolError(path, "must be an array reference {dtype, shape, frame}")
     dtype, shape, index = ref["dtype"], ref["shape"], ref["frame"]
     if dtype != spec.dtype:
         raise ProtocolError(path, f"dtype must be {spec.dtype}, got {dtype!r}")
-    if type(shape) is not list or len(shape) != spec.ndim or not all(type(d) is int and d >= 0 for d in shape):
+    if (
+        type(shape) is not list
+        or len(shape) != spec.ndim
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
         raise ProtocolError(path, f"shape must be {spec.ndim} non-negative integers, got {shape!r}")
     if type(index) is not int or not 1 <= index < len(bufs) or index in used:
         raise ProtocolError(path, f"frame index {index!r} is invalid or reused")
@@ -601,7 +619,9 @@ def _decode_array(spec: _Spec, ref: Any, bufs: list[memoryview], used: set[int],
     itemsize = np.dtype(dtype).itemsize
     expected = math.prod(shape) * itemsize
     if buf.nbytes != expected:
-        raise ProtocolError(path, f"frame holds {buf.nbytes} bytes, shape {shape} needs {expected}", "truncated")
+        raise ProtocolError(
+            path, f"frame holds {buf.nbytes} bytes, shape {shape} needs {expected}", "truncated"
+        )
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -625,11 +645,17 @@ def _check_group(g: dict[str, Any], prefix: str) -> None:
     if min(prompt_lens) < 0 or any(map(int.__lt__, seq_lens, prompt_lens)):
         raise ProtocolError(prefix + "prompt_lens", "each must be in [0, seq_len]")
     if g["tokens"].shape[0] != sum(seq_lens):
-        raise ProtocolError(prefix + "tokens", f"holds {g['tokens'].shape[0]} tokens, seq_lens sum to {sum(seq_lens)}")
+        raise ProtocolError(
+            prefix + "tokens",
+            f"holds {g['tokens'].shape[0]} tokens, seq_lens sum to {sum(seq_lens)}",
+        )
     num_completion = sum(seq_lens) - sum(prompt_lens)
     for name in ("loss_mask", "behavior_logprobs"):
         if g[name].shape[0] != num_completion:
-            raise ProtocolError(prefix + name, f"holds {g[name].shape[0]} entries for {num_completion} completion tokens")
+            raise ProtocolError(
+                prefix + name,
+                f"holds {g[name].shape[0]} entries for {num_completion} completion tokens",
+            )
     if g["tokens"].size and int(g["tokens"].min()) < 0:
         raise ProtocolError(prefix + "tokens", "token ids must be >= 0")
     if g["loss_mask"].size and int(g["loss_mask"].max()) > 1:
@@ -643,7 +669,9 @@ def _check_group(g: dict[str, Any], prefix: str) -> None:
         raise ProtocolError(prefix + "min_policy_versions", "need 0 <= min <= max per trajectory")
     if not set(g["finish_reasons"]) <= _FINISH:
         bad = sorted(set(g["finish_reasons"]) - _FINISH)[0]
-        raise ProtocolError(prefix + "finish_reasons", f"{bad!r} is not one of {list(FINISH_REASONS)}")
+        raise ProtocolError(
+            prefix + "finish_reasons", f"{bad!r} is not one of {list(FINISH_REASONS)}"
+        )
     timings = g.get("timings", {})
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(math.isfinite, timings.values()))
@@ -664,7 +692,9 @@ def check_hello(hello: Hello, config_hash: str) -> None:
         )
     if hello.config_hash != config_hash:
         raise ProtocolError(
-            "config_hash", f"client config {hello.config_hash} != hub config {config_hash}", "config_mismatch"
+            "config_hash",
+            f"client config {hello.config_hash} != hub config {config_hash}",
+            "config_mismatch",
         )
     if hello.role not in ROLES:
         raise ProtocolError("role", f"must be one of {list(ROLES)}, got {hello.role!r}")

@@ -27,7 +27,9 @@ def group_advantages(rewards: Tensor, std_norm: bool, eps: float = 1e-6) -> Tens
     if not isinstance(rewards, Tensor):
         raise ValueError(f"rewards: must be a torch.Tensor, got {type(rewards).__name__}")
     if rewards.dim() != 2:
-        raise ValueError(f"rewards: must have shape [groups, group_size], got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards: must have shape [groups, group_size], got {tuple(rewards.shape)}"
+        )
     if not rewards.is_floating_point():
         raise ValueError(f"rewards: must be a floating point tensor, got {rewards.dtype}")
     if not bool(torch.isfinite(rewards).all()):

@@ -120,7 +120,9 @@ def _clip_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
-def _ppo(lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig) -> TokenTerms:
+def _ppo(
+    lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig
+) -> TokenTerms:
     ratio = torch.exp(lp - beh)
     loss, clipped = _clip_surrogate(ratio, adv, cfg)
     return TokenTerms(loss, ratio.detach(), clipped, torch.zeros_like(m))
@@ -146,7 +148,9 @@ def _decoupled(
     return TokenTerms(loss * weight, ratio.detach(), clipped & ~dropped, dropped & m)
 
 
-def _gspo(lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig) -> TokenTerms:
+def _gspo(
+    lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig
+) -> TokenTerms:
     mf = m.to(lp.dtype)
     num = mf.sum(dim=1).clamp(min=1.0)
     seq_ratio = torch.exp(((lp - beh) * mf).sum(dim=1) / num)
@@ -158,7 +162,9 @@ def _gspo(lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: Lo
     return TokenTerms(seq_loss[:, None] * expand, ratio, clipped, torch.zeros_like(m))
 
 
-def _cispo(lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig) -> TokenTerms:
+def _cispo(
+    lp: Tensor, prox: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig
+) -> TokenTerms:
     ratio = torch.exp(lp - beh).detach()
     weight = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     clipped = (weight != ratio) & m
@@ -245,7 +251,9 @@ def _validate_inputs(
             continue
         _check_tensor(name, tensor, floating=True)
         if tensor.shape != shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != logprobs shape {tuple(shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} != logprobs shape {tuple(shape)}"
+            )
     _check_tensor("advantages", advantages, floating=True)
     if advantages.shape not in (shape, shape[:1]):
         raise ValueError(

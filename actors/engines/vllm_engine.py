@@ -52,9 +52,12 @@ class VllmEngine:
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         enable_prefix_caching: bool = True,
+        block_size: int | None = None,
     ) -> None:
         if not Path(model_dir).is_dir():
             raise ValueError(f"model_dir: directory not found: {str(model_dir)!r}")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
         if kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib: must be > 0, got {kv_cache_gib}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -65,9 +68,11 @@ class VllmEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+        options: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
         if current_platform.is_cpu():
-            memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+            options = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+        if block_size is not None:
+            options["block_size"] = block_size
         start = time.perf_counter()
         self._llm = LLM(
             model=str(model_dir),
@@ -78,7 +83,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             worker_extension_cls=WORKER_EXTENSION,
-            **memory,
+            **options,
         )
         self.startup_s = time.perf_counter() - start
         """Seconds `vllm.LLM` took to start (the `import vllm` before it not included)."""

@@ -1,0 +1,92 @@
+"""The `sort` task: write the prompt's digits in ascending order.
+
+A prompt is `num_digits` random decimal digits followed by a colon, e.g. ``"3141:"``; the
+expected completion is the same digits sorted ascending, ``"1134"``, then the end-of-sequence
+token. Every character is a single token of the tiny model's tokenizer
+(`asyncrl.tiny_model.ALPHABET`), so a completion needs `num_digits + 1` tokens.
+
+The dataset is a pure function of `TaskConfig` (`seed`, `num_digits`, `num_prompts`): the same
+config always yields the same prompts with the same ids. Rows have the shape the hub reads,
+``{"prompt_id": str, "prompt": str, "info": {"digits": str, "answer": str}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from asyncrl.config import TaskConfig
+
+PROMPT_SUFFIX = ":"
+"""Ends every prompt; the answer starts right after it."""
+END_MARKERS = ("<eos>", "</s>", "<|endoftext|>")
+"""End-of-sequence spellings that cut a decoded completion (the answer is what precedes them)."""
+
+
+def render_prompt(digits: str) -> str:
+    """Prompt text for these digits, e.g. ``"3141"`` -> ``"3141:"``."""
+    if not digits.isdigit():
+        raise ValueError(f"digits: must be decimal digits, got {digits!r}")
+    return digits + PROMPT_SUFFIX
+
+
+def answer_for(digits: str) -> str:
+    """The correct answer: the digits sorted ascending."""
+    return "".join(sorted(digits))
+
+
+def parse_completion(completion: str) -> str:
+    """The answer a completion gives: its text before the first end marker, spaces stripped.
+
+    Nothing else is removed: a stray symbol or letter stays and costs the positions it takes.
+    """
+    for marker in END_MARKERS:
+        completion = completion.split(marker, 1)[0]
+    return completion.strip()
+
+
+def make_prompts(task: TaskConfig) -> list[dict]:
+    """The task's prompt dataset, deterministic in `task.seed`."""
+    if task.name != "sort":
+        raise ValueError(f"task.name: the sort generator cannot make {task.name!r}")
+    rng = random.Random(task.seed)
+    rows = []
+    for index in range(task.num_prompts):
+        digits = "".join(str(rng.randrange(10)) for _ in range(task.num_digits))
+        rows.append(
+            {
+                "prompt_id": f"sort-{task.num_digits}-{task.seed}-{index:06d}",
+                "prompt": render_prompt(digits),
+                "info": {"digits": digits, "answer": answer_for(digits)},
+            }
+        )
+    return rows
+
+
+def write_dataset(path: str | Path, task: TaskConfig) -> Path:
+    """Write `make_prompts(task)` as JSONL to `path` (atomically) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w") as f:
+        for row in make_prompts(task):
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_dataset(path: str | Path) -> list[dict]:
+    """Read a JSONL prompt dataset; each row needs `prompt_id` and `prompt` (`info` optional)."""
+    rows = []
+    with Path(path).open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row.get("prompt_id"), str) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{line_no}: row needs string prompt_id and prompt")
+            row.setdefault("info", {})
+            rows.append(row)
+    return rows

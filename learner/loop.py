@@ -1,0 +1,377 @@
+"""The learner: batches in, one optimizer step each, policy_version out, weights published.
+
+```
+            SampleRequest(v, groups_per_step)            Version(v+1)
+   learner ----------------------------------> hub <------------------ learner
+      ^   <---------- Batch (staleness <= η) ---  |  ---- Members ------>   |
+      |                                           |                        v
+      |   step: collate -> π_θ logprobs -> loss (importance-corrected) -> backward -> AdamW
+      |                                                                     |
+      +--- publish(v+1): snapshot into staging buffers, return at once; a background thread
+           announces through the hub and broadcasts buckets to the actors (gloo | nccl)
+   back-pressure: the learner waits for a batch (time logged as wait_data_s); the hub only
+   lets actors run (η + v + 1) · groups_per_step groups ahead of what the learner consumed.
+```
+
+π_prox (DESIGN §5): with one optimizer step per batch, the parameters at the start of the step
+are the ones every micro-batch's forward pass uses, so π_prox = π_θ.detach() exactly and no
+second forward pass is needed. Logprobs are taken under logits / actor.temperature, the
+distribution the actors sampled from. Advantages are group-normalised over each whole group
+before micro-batching. `policy_version` counts optimizer steps and survives `--resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.config import RunConfig, load_config, to_toml
+from asyncrl.protocol import Batch, Error, Members, SampleRequest, Version, WeightsAnnounce
+from asyncrl.tiny_model import ensure_model
+from asyncrl.transport import HubConnection
+from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
+from asyncrl.weights.digest import digest_named_tensors
+from asyncrl.weights.publisher import WeightPublisher
+
+from learner.advantages import group_advantages
+from learner.batching import TrainBatch, collate, token_logprobs
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.losses import policy_loss
+from learner.metrics_log import MetricsLog
+
+
+class Learner:
+    """Owns the model, the optimizer, `policy_version` and the weight publisher."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, conn: HubConnection, model_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.conn = conn
+        self.model_dir = model_dir
+        torch.manual_seed(cfg.run.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(cfg.model.dtype))
+        self.model.train()
+        self.pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
+        )
+        self.policy_version = 0
+        self.step = 0
+        self.request_id = 0
+        self.members: list[str] = []
+        self.stop_event = threading.Event()
+        self.start_time = time.time()
+        plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
+        self.publisher = WeightPublisher(
+            plan,
+            backend=cfg.weights.backend,
+            store_host=cfg.weights.host,
+            store_port=0,
+            timeout_s=cfg.weights.timeout_s,
+            announce=self.announce,
+        )
+
+    # --- the main loop ------------------------------------------------------------------------
+
+    def train(self, log: MetricsLog) -> None:
+        self.publish()  # actors start from the learner's weights (matters after --resume)
+        while self.step < self.cfg.learner.max_steps and not self.stop_event.is_set():
+            batch, wait_s = self.fetch_batch()
+            if batch is None:
+                break
+            start = time.perf_counter()
+            metrics = self.optimize(batch)
+            step_s = time.perf_counter() - start
+            self.policy_version += 1
+            self.step += 1
+            self.report_version()
+            if self.step % self.cfg.learner.publish_every == 0:
+                self.publish()
+            log.log(self.step, self.step_metrics(batch, metrics, wait_s, step_s))
+            every = self.cfg.learner.checkpoint_every
+            if every and self.step % every == 0:
+                self.checkpoint()
+
+    # --- named steps --------------------------------------------------------------------------
+
+    def fetch_batch(self) -> tuple[Batch | None, float]:
+        """Ask the hub for this step's groups; wait until they come (or we are stopped)."""
+        self.request_id += 1
+        start = time.perf_counter()
+        self.conn.send(
+            SampleRequest(
+                request_id=self.request_id,
+                policy_version=self.policy_version,
+                num_groups=self.cfg.learner.groups_per_step,
+            )
+        )
+        while not self.stop_event.is_set():
+            msg = self.conn.recv(timeout_s=0.2)
+            if isinstance(msg, Batch) and msg.request_id == self.request_id:
+                return msg, time.perf_counter() - start
+            self.handle_other(msg)
+        return None, time.perf_counter() - start
+
+    def optimize(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step over the batch, in micro-batches with globally normalised loss."""
+        data = collate(batch.groups, self.pad_id)
+        advantages = self.advantages(batch, data)
+        totals = {
+            "num_samples_total": data.num_rows,
+            "max_tokens": self.cfg.actor.max_new_tokens,
+            "num_tokens_total": float(data.mask.sum().clamp(min=1.0)),
+        }
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        size = self.cfg.learner.micro_batch_samples
+        for start in range(0, data.num_rows, size):
+            stop = min(start + size, data.num_rows)
+            stats = self.micro_step(data.rows(start, stop), advantages[start:stop], totals)
+            for key, value in stats.items():
+                weight = (stop - start) / data.num_rows
+                sums[key] = sums.get(key, 0.0) + (value if key == "loss" else value * weight)
+            sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), stats["is_weight_max"])
+        clip = self.cfg.learner.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
+        self.optimizer.step()
+        sums["grad_norm"] = float(norm)
+        return sums
+
+    def micro_step(
+        self, mb: TrainBatch, advantages: torch.Tensor, totals: dict[str, Any]
+    ) -> dict[str, float]:
+        logprobs, entropy = token_logprobs(self.model, mb, self.cfg.actor.temperature)
+        loss, stats = policy_loss(
+            logprobs,
+            logprobs.detach(),
+            mb.behavior_logprobs,
+            advantages,
+            mb.mask,
+            self.cfg.loss,
+            **totals,
+        )
+        loss.backward()
+        produced = mb.mask.sum().clamp(min=1.0)
+        stats["entropy"] = float((entropy * mb.mask).sum() / produced)
+        return stats
+
+    def advantages(self, batch: Batch, data: TrainBatch) -> torch.Tensor:
+        """Group-normalised advantages, one per row, in collate's row order."""
+        out = []
+        for g in batch.groups:
+            rewards = torch.tensor(g.rewards, dtype=torch.float32)[None, :]
+            out.append(group_advantages(rewards, std_norm=self.cfg.loss.adv_std_norm)[0])
+        adv = torch.cat(out)
+        assert adv.shape[0] == data.num_rows
+        return adv
+
+    def report_version(self) -> None:
+        """Tell the hub the new version; learn which actors are alive (broadcast members)."""
+        self.conn.send(Version(policy_version=self.policy_version))
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            msg = self.conn.recv(timeout_s=0.2)
+            if isinstance(msg, Members):
+                self.members = sorted(msg.actor_ids)
+                return
+            self.handle_other(msg)
+        raise TimeoutError("hub did not answer Version with Members within 10 s")
+
+    def publish(self) -> None:
+        """Snapshot the weights and hand them to the publisher thread (non-blocking)."""
+        self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
+
+    def announce(self, announcement: dict[str, Any]) -> None:
+        """Called by the publisher thread: forward the rendezvous to the actors via the hub."""
+        self.conn.send(
+            WeightsAnnounce(
+                policy_version=int(announcement["policy_version"]),
+                plan_hash=str(announcement["plan_hash"]),
+                announcement=announcement,
+            )
+        )
+
+    def handle_other(self, msg: Any) -> None:
+        if isinstance(msg, Error):
+            raise RuntimeError(
+                f"hub refused a learner message: {msg.code} {msg.field}: {msg.detail}"
+            )
+
+    def step_metrics(
+        self, batch: Batch, loss_stats: dict[str, float], wait_s: float, step_s: float
+    ) -> dict[str, Any]:
+        groups = batch.groups
+        staleness = [self.policy_version - 1 - g.min_policy_version for g in groups]
+        num_samples = sum(g.size for g in groups)
+        completion_tokens = sum(int(g.loss_mask.sum()) for g in groups)
+        rewards = [r for g in groups for r in g.rewards]
+        elapsed = time.time() - self.start_time
+        pub = self.publisher.last_result or {}
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "time_s": elapsed,
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_max": max(rewards),
+            "staleness_max": max(staleness),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_hist": _histogram(staleness, self.cfg.replay.max_staleness),
+            "samples": num_samples,
+            "samples_per_s": num_samples / max(wait_s + step_s, 1e-9),
+            "tokens_per_s": completion_tokens / max(wait_s + step_s, 1e-9),
+            "response_len_mean": completion_tokens / num_samples,
+            "wait_data_s": wait_s,
+            "step_s": step_s,
+            "dropped_stale": batch.dropped_stale,
+            "weight_sync_s": float(pub.get("seconds", 0.0)),
+            "weight_sync_failures": int(pub.get("failures", 0)),
+            "num_actors": len(self.members),
+            **{k: v for k, v in loss_stats.items() if k != "num_tokens"},
+        }
+
+    def checkpoint(self) -> Path:
+        state = {"policy_version": self.policy_version, "step": self.step}
+        return save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.model,
+            self.optimizer,
+            state,
+            tokenizer_dir=self.model_dir,
+        )
+
+    def resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt, self.model, self.optimizer)
+        self.policy_version = int(state["policy_version"])
+        self.step = int(state["step"])
+
+    def finish(self, wait_actors_s: float) -> dict[str, Any]:
+        """Final checkpoint, final weights to every actor, and a summary for the run directory."""
+        self.checkpoint()
+        self.publisher.wait(timeout_s=self.cfg.weights.timeout_s)
+        if self.policy_version % self.cfg.learner.publish_every:
+            self.publish()
+            self.publisher.wait(timeout_s=self.cfg.weights.timeout_s)
+        loaded = self.wait_actors_loaded(wait_actors_s)
+        return {
+            "policy_version": self.policy_version,
+            "step": self.step,
+            "weights_digest": digest_named_tensors(self.model.named_parameters()),
+            "actors_loaded": loaded,
+        }
+
+    def wait_actors_loaded(self, timeout_s: float) -> dict[str, int]:
+        """Poll the hub until every live actor reports the final version (or time runs out)."""
+        from asyncrl.protocol import Stats, StatsRequest
+
+        deadline = time.monotonic() + timeout_s
+        loaded: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            self.conn.send(StatsRequest())
+            msg = self.conn.recv(timeout_s=1.0)
+            if isinstance(msg, Stats):
+                loaded = {
+                    str(k): int(v) for k, v in msg.stats.get("actor_loaded_version", {}).items()
+                }
+                alive = msg.stats.get("actors_alive", list(loaded))
+                if alive and all(loaded.get(a, -1) >= self.policy_version for a in alive):
+                    break
+            time.sleep(0.2)
+        return loaded
+
+
+def _histogram(values: Sequence[int], max_staleness: int) -> list[int]:
+    hist = [0] * (max_staleness + 2)
+    for v in values:
+        hist[min(max(v, 0), max_staleness + 1)] += 1
+    return hist
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# --- process entry point ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="asyncrl learner", description="Run the learner.")
+    p.add_argument("--config", required=True, help="run config TOML")
+    p.add_argument("--hub", required=True, help="hub endpoint")
+    p.add_argument("--run-dir", default="", help="overrides run.run_dir")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--world", type=int, default=0, help="learner ranks (only 1 is supported so far)"
+    )
+    p.add_argument(
+        "--wait-actors-s",
+        type=float,
+        default=20.0,
+        help="at exit, wait this long for actors to load the final weights",
+    )
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`asyncrl learner`: train until learner.max_steps (or SIGTERM), then checkpoint."""
+    args = parse_args(argv)
+    overrides = list(args.set) + (
+        [f"run.run_dir={json.dumps(args.run_dir)}"] if args.run_dir else []
+    )
+    cfg = load_config(args.config, overrides)
+    if args.world not in (0, 1) or cfg.learner.world != 1:
+        raise ValueError("learner.world / --world: only a single learner rank is supported so far")
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "learner_config.toml").write_text(to_toml(cfg))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model_dir = ensure_model(cfg.model, cfg.task)
+    conn = HubConnection(
+        args.hub,
+        role="learner",
+        client_id="learner",
+        config_hash=cfg.config_hash(),
+        heartbeat_interval_s=cfg.replay.heartbeat_interval_s,
+        max_message_bytes=cfg.replay.max_message_bytes,
+        hwm=cfg.replay.hwm,
+        auth_dir=cfg.replay.auth_dir,
+    )
+    learner = Learner(cfg, run_dir, conn, model_dir)
+    if args.resume:
+        learner.resume()
+    signal.signal(signal.SIGTERM, lambda *_: learner.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: learner.stop_event.set())
+    welcome = conn.start()
+    learner.members = []
+    log = MetricsLog(run_dir)
+    try:
+        print(
+            f"learner: connected (hub at version {welcome.policy_version}), starting at version "
+            f"{learner.policy_version}",
+            flush=True,
+        )
+        learner.report_version()
+        learner.train(log)
+        summary = learner.finish(args.wait_actors_s)
+        (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=1))
+    finally:
+        log.close()
+        learner.publisher.close()
+        conn.close(reason="done")
+    return 0

