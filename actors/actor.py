@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from actors.engines.base import Engine, GenerationRequest, Sample
+from actors.rewards.base import RewardResult, Verifier, safe_score
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol import (
     CreditItem,
@@ -46,9 +48,6 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
-
-from actors.engines.base import Engine, GenerationRequest, Sample
-from actors.rewards.base import RewardResult, Verifier, safe_score
 
 
 class Actor:

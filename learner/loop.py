@@ -41,7 +41,6 @@ from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.publisher import WeightPublisher
-
 from learner.advantages import group_advantages
 from learner.batching import TrainBatch, collate, token_logprobs
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
