@@ -223,7 +223,7 @@ class Actor:
         return group
 
     def score(self, credit: CreditItem, sample: Sample) -> RewardResult:
-        text = self.tokenizer.decode(sample.completion_tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(sample.completion_tokens, skip_special_tokens=False)
         result = safe_score(self.verifier, credit.prompt, text, credit.info)
         if result.failed:
             self.stats["reward_failures"] += 1
