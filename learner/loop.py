@@ -43,7 +43,7 @@ from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.publisher import WeightPublisher
 from learner.advantages import group_advantages
 from learner.batching import TrainBatch, collate, token_logprobs
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.losses import policy_loss
 from learner.metrics_log import MetricsLog
 
@@ -242,15 +242,16 @@ class Learner:
     def checkpoint(self) -> Path:
         state = {"policy_version": self.policy_version, "step": self.step}
         return save_checkpoint(
-            self.run_dir / "checkpoints",
+            checkpoint_dir(self.run_dir, self.step),
             self.model,
             self.optimizer,
             state,
             tokenizer_dir=self.model_dir,
+            keep_last=2,
         )
 
     def resume(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
         state = load_checkpoint(ckpt, self.model, self.optimizer)

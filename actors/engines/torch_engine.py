@@ -267,7 +267,7 @@ def _sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws exactly from p."""
     logp = process_logits(logits, temperature, top_p)
-    token = (logp - noise.log()).argmax(dim=-1)
+    token = (logp - noise.clamp_min(1e-30).log()).argmax(dim=-1)  # no nan from -inf + inf
     return token, logp.gather(1, token.unsqueeze(1)).squeeze(1)
 
 

@@ -38,6 +38,8 @@ from actors.engines.base import GenerationRequest, Sample
 
 WORKER_EXTENSION = "actors.engines.vllm_worker.WeightLoaderExtension"
 """Qualified name of the worker extension vLLM mixes into its worker."""
+MAX_TEMPERATURE = 2.0
+"""vLLM refuses higher sampling temperatures."""
 
 
 class VllmEngine:
@@ -147,8 +149,10 @@ class VllmEngine:
 
         if request.n < 1:
             raise ValueError(f"n: must be >= 1, got {request.n}")
-        if request.temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {request.temperature}")
+        if not 0 < request.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature: vLLM needs it in (0, {MAX_TEMPERATURE}], got {request.temperature}"
+            )
         if not 0 < request.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {request.top_p}")
         if request.max_new_tokens < 1:

@@ -129,7 +129,9 @@ class BucketPlan:
     def from_wire(cls, wire: Mapping[str, Any]) -> BucketPlan:
         """Rebuild a plan from `to_wire` output; the carried hash must match the rebuilt one."""
         try:
-            params = [(str(n), tuple(int(d) for d in shape), str(t)) for n, shape, t in wire["params"]]
+            params = [
+                (str(n), tuple(int(d) for d in shape), str(t)) for n, shape, t in wire["params"]
+            ]
             plan = cls.from_params(params, int(wire["bucket_bytes"]))
             claimed = str(wire["plan_hash"])
         except (KeyError, TypeError) as exc:
@@ -190,7 +192,10 @@ def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
 
 def params_from_module(module: torch.nn.Module) -> list[ParamSpec]:
     """(name, shape, dtype) of `module.named_parameters()` (tied weights listed once)."""
-    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
+    return [
+        (n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        for n, p in module.named_parameters()
+    ]
 
 
 def params_from_safetensors(model_dir: str | Path) -> list[ParamSpec]:
@@ -257,17 +262,24 @@ def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.
         out[e.offset : e.offset + e.numel].view(e.shape).copy_(src)
 
 
-def pack(plan: BucketPlan, tensors: Mapping[str, torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+def pack(
+    plan: BucketPlan, tensors: Mapping[str, torch.Tensor], out: Sequence[torch.Tensor]
+) -> None:
     """Pack every bucket; `tensors` must hold exactly the plan's parameters."""
+    import torch
+
     extra = set(tensors) - {e.name for b in plan.buckets for e in b.entries}
     if extra:
         raise ValueError(f"pack: parameters not in the plan: {sorted(extra)[:5]}")
-    for bucket, buf in zip(plan.buckets, out, strict=True):
-        pack_bucket(bucket, tensors, buf)
+    with torch.no_grad():
+        for bucket, buf in zip(plan.buckets, out, strict=True):
+            pack_bucket(bucket, tensors, buf)
 
 
 def staged_buckets(
-    plan: BucketPlan, tensors: Mapping[str, torch.Tensor], staging: Mapping[str, Sequence[torch.Tensor]]
+    plan: BucketPlan,
+    tensors: Mapping[str, torch.Tensor],
+    staging: Mapping[str, Sequence[torch.Tensor]],
 ) -> Iterator[torch.Tensor]:
     """Yield each bucket packed into one of two alternating staging buffers per dtype.
 
@@ -275,12 +287,31 @@ def staged_buckets(
     yielded buffers at once (it must be done with bucket k before asking for bucket k+2).
     `staging[dtype]` holds two flat buffers of at least `max_bucket_numel(plan, dtype)`.
     """
+    import torch
+
     used = {dtype: 0 for dtype in staging}
     for bucket in plan.buckets:
         slot = staging[bucket.dtype][used[bucket.dtype] % 2][: bucket.numel]
         used[bucket.dtype] += 1
-        pack_bucket(bucket, tensors, slot)
+        with torch.no_grad():
+            pack_bucket(bucket, tensors, slot)
         yield slot
+
+
+def allocate_staging(
+    plan: BucketPlan, device: str | torch.device = "cpu"
+) -> dict[str, list[torch.Tensor]]:
+    """Two flat staging buffers per dtype, each as large as that dtype's largest bucket."""
+    import torch
+
+    dtypes = sorted({b.dtype for b in plan.buckets})
+    return {
+        d: [
+            torch.empty(max_bucket_numel(plan, d), dtype=torch_dtype(d), device=device)
+            for _ in range(2)
+        ]
+        for d in dtypes
+    }
 
 
 def max_bucket_numel(plan: BucketPlan, dtype: str) -> int:
@@ -295,4 +326,6 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Te
 
 def unpack(plan: BucketPlan, buffers: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """Named views into all bucket buffers, in plan order."""
-    return [nt for b, buf in zip(plan.buckets, buffers, strict=True) for nt in unpack_bucket(b, buf)]
+    return [
+        nt for b, buf in zip(plan.buckets, buffers, strict=True) for nt in unpack_bucket(b, buf)
+    ]

@@ -78,13 +78,16 @@ def test_checkpoint_is_a_complete_hf_model_dir(
     tmp_path: Path, tiny_model_dir: Path, trained: tuple
 ) -> None:
     model, optimizer = trained
-    ckpt = save_checkpoint(tmp_path / "ck", model, optimizer, {"policy_version": 1, "step": 1}, tiny_model_dir)
+    ckpt = save_checkpoint(
+        tmp_path / "ck", model, optimizer, {"policy_version": 1, "step": 1}, tiny_model_dir
+    )
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     _assert_same_weights(model, loaded)
     text = "3 1 2:"
-    assert AutoTokenizer.from_pretrained(ckpt)(text).input_ids == AutoTokenizer.from_pretrained(
-        tiny_model_dir
-    )(text).input_ids
+    assert (
+        AutoTokenizer.from_pretrained(ckpt)(text).input_ids
+        == AutoTokenizer.from_pretrained(tiny_model_dir)(text).input_ids
+    )
 
 
 def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
@@ -119,8 +122,17 @@ def test_latest_pointer_fallback_and_pruning(tmp_path: Path, trained: tuple) -> 
     (tmp_path / "checkpoints" / "latest").unlink()
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     assert latest_checkpoint(tmp_path / "checkpoints") == checkpoint_dir(tmp_path, 3)
-    save_checkpoint(checkpoint_dir(tmp_path, 4), model, optimizer, {"policy_version": 4, "step": 4}, None, keep_last=2)
-    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    save_checkpoint(
+        checkpoint_dir(tmp_path, 4),
+        model,
+        optimizer,
+        {"policy_version": 4, "step": 4},
+        None,
+        keep_last=2,
+    )
+    kept = sorted(
+        p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")
+    )
     assert kept == ["step_00000003", "step_00000004"]
 
 
@@ -141,7 +153,9 @@ def test_resaving_replaces_and_a_failed_save_leaves_the_previous_one(
 
     failing = FailingAdamW(model.parameters())
     with pytest.raises(RuntimeError, match="disk full"):
-        save_checkpoint(checkpoint_dir(tmp_path, 6), model, failing, {"policy_version": 6, "step": 6}, None)
+        save_checkpoint(
+            checkpoint_dir(tmp_path, 6), model, failing, {"policy_version": 6, "step": 6}, None
+        )
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_00000005"]
     assert latest_checkpoint(tmp_path) == target
@@ -157,14 +171,18 @@ def test_resaving_replaces_and_a_failed_save_leaves_the_previous_one(
         ({"policy_version": 1, "step": 1, "loss": float("nan")}, "state: must be JSON"),
     ],
 )
-def test_bad_state_is_refused_before_writing(tmp_path: Path, trained: tuple, state: dict, match: str) -> None:
+def test_bad_state_is_refused_before_writing(
+    tmp_path: Path, trained: tuple, state: dict, match: str
+) -> None:
     model, optimizer = trained
     with pytest.raises(ValueError, match=match):
         save_checkpoint(tmp_path / "ck", model, optimizer, state, None)
     assert not tmp_path.joinpath("ck").exists()
 
 
-def test_load_refuses_what_is_not_a_checkpoint(tmp_path: Path, tiny_model_dir: Path, trained: tuple) -> None:
+def test_load_refuses_what_is_not_a_checkpoint(
+    tmp_path: Path, tiny_model_dir: Path, trained: tuple
+) -> None:
     model, optimizer = trained
     with pytest.raises(ValueError, match="ckpt_dir: .* is not a checkpoint"):
         load_checkpoint(tiny_model_dir, model, optimizer)
@@ -194,7 +212,9 @@ _VLLM_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_vllm_loads_the_checkpoint(tmp_path: Path, tiny_model_dir: Path, trained: tuple) -> None:
     model, optimizer = trained
-    ckpt = save_checkpoint(tmp_path / "ck", model, optimizer, {"policy_version": 2, "step": 2}, tiny_model_dir)
+    ckpt = save_checkpoint(
+        tmp_path / "ck", model, optimizer, {"policy_version": 2, "step": 2}, tiny_model_dir
+    )
     prompt = [1, 4, 5, 6]
     env = os.environ | {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -212,8 +232,18 @@ def test_vllm_loads_the_checkpoint(tmp_path: Path, tiny_model_dir: Path, trained
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     result = json.loads(line.removeprefix("RESULT "))
     # the logprobs vLLM reports are those of the trained weights, as transformers computes them
-    ids = torch.tensor([prompt + result["tokens"]])
+    expected = _completion_logprobs(model, prompt, result["tokens"])
+    assert result["logprobs"] == pytest.approx(expected, abs=1e-4)
+    # and not those of the untrained build the checkpoint started from
+    untrained = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    before = _completion_logprobs(untrained, prompt, result["tokens"])
+    assert max(abs(a - b) for a, b in zip(before, expected, strict=True)) > 1e-2
+
+
+def _completion_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int]
+) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
-    expected = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(result["tokens"])]
-    assert result["logprobs"] == pytest.approx(expected, abs=1e-4)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]

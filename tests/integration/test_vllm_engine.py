@@ -105,8 +105,6 @@ def greedy_decode(model: torch.nn.Module, prompt: list[int], num_tokens: int) ->
 
 
 PROMPTS = ([1, 4, 9, 6, 13, 5], [1, 7, 7, 2, 11, 8, 14, 4, 10])
-LONG_PROMPT = [1] + [4 + (7 * i) % 12 for i in range(99)]
-"""100 tokens: three full KV blocks of 32 that the prefix cache keeps."""
 
 
 def sample_all(engine: VllmEngine, temperature: float, top_p: float) -> list[list[Sample]]:
@@ -177,25 +175,40 @@ def test_load_weights_changes_logprobs_to_the_new_model(
     assert np.abs(results[0][0].logprobs - old).max() > 10 * TOLERANCE, "weights did not change"
 
 
+def long_prompt(step: int) -> list[int]:
+    """100 tokens (three full KV blocks of 32 for the prefix cache); `step` varies the digits."""
+    return [1] + [4 + (step * i) % 12 for i in range(99)]
+
+
 def fill_cache_then_switch(
-    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
-) -> tuple[list[int], Sample]:
-    """Cache the long prompt's KV under weights A, load weights B, decode it greedily again."""
+    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights, prompt: list[int]
+) -> tuple[list[Sample], float]:
+    """Cache the prompt's KV under weights A, load weights B, then sample the prompt again.
+
+    Returns the greedy sample (checked against a greedy decode of B by the caller) and the
+    largest |logprob - reference| of four sampled continuations under B.
+    """
     load_both(engine, reference, perturbed(original_weights, seed=2, head_scale=30), version=10)
-    warm = GenerationRequest(prompt_tokens=LONG_PROMPT, max_new_tokens=4, temperature=0.01)
-    engine.generate([warm])
-    load_both(engine, reference, perturbed(original_weights, seed=3, head_scale=30), version=11)
-    greedy = GenerationRequest(prompt_tokens=LONG_PROMPT, max_new_tokens=16, temperature=0.01)
-    ((sample,),) = engine.generate([greedy])
-    return greedy_decode(reference, LONG_PROMPT, 16), sample
+    engine.generate([GenerationRequest(prompt_tokens=prompt, max_new_tokens=4, temperature=0.01)])
+    load_both(engine, reference, perturbed(original_weights, seed=5, head_scale=30), version=11)
+    greedy = GenerationRequest(prompt_tokens=prompt, max_new_tokens=16, temperature=0.01, seed=0)
+    sampled = GenerationRequest(prompt_tokens=prompt, n=4, max_new_tokens=16, seed=0)
+    (greedy_sample,), samples = engine.generate([greedy, sampled])
+    error = max(
+        float(np.abs(s.logprobs - reference_logprobs(reference, prompt, s, 1.0, 1.0)).max())
+        for s in samples
+    )
+    return [greedy_sample, *samples], error
 
 
 def test_no_stale_prefix_cache_after_load_weights(
     engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
 ) -> None:
-    expected, sample = fill_cache_then_switch(engine, reference, original_weights)
-    assert sample.completion_tokens.tolist() == expected
-    assert sample.policy_version == 11
+    prompt = long_prompt(7)
+    samples, error = fill_cache_then_switch(engine, reference, original_weights, prompt)
+    assert samples[0].completion_tokens.tolist() == greedy_decode(reference, prompt, 16)
+    assert error <= TOLERANCE
+    assert all(s.policy_version == 11 for s in samples)
 
 
 def test_stale_prefix_cache_would_be_caught(
@@ -204,12 +217,14 @@ def test_stale_prefix_cache_would_be_caught(
     original_weights: Weights,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The test above has teeth: with the cache reset disabled, its check fails."""
+    """The test above has teeth: with the cache reset disabled, both of its checks fail."""
+    prompt = long_prompt(5)  # never generated before: its cached KV can only come from A
     monkeypatch.setattr(engine._llm, "reset_prefix_cache", lambda *args, **kwargs: True)
-    expected, sample = fill_cache_then_switch(engine, reference, original_weights)
-    assert sample.completion_tokens.tolist() != expected
+    samples, error = fill_cache_then_switch(engine, reference, original_weights, prompt)
     monkeypatch.undo()
     assert engine._llm.reset_prefix_cache()
+    assert samples[0].completion_tokens.tolist() != greedy_decode(reference, prompt, 16)
+    assert error > 1.0
 
 
 def test_bad_requests_are_refused(engine: VllmEngine) -> None:

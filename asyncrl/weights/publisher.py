@@ -1,0 +1,305 @@
+"""The learner's side of the weight broadcast: snapshot, announce, (re)form, broadcast.
+
+```
+ learner thread                      publisher thread (one publication in flight)
+ --------------                      --------------------------------------------
+ publish(v, tensors, members)
+   pack tensors -> snapshot buckets   waits for a queued job
+   queue job (replaces a queued,  --> members changed or last failed? -> epoch += 1
+   not yet started one)               announce({policy_version, epoch, ranks, ...})  -> hub
+   return (training goes on)          new epoch: form the group (<= timeout_s)
+                                      broadcast buckets, two in flight (<= timeout_s each)
+                                      record PublishResult; return the snapshot buffers
+```
+
+`publish` costs the learner one copy of the parameters into flat bucket buffers (the
+snapshot, on the parameters' device for nccl, on the CPU for gloo); everything else happens on
+the publisher thread. At most one publication is in flight and at most one is queued behind
+it: a newer `publish` replaces the queued one (counted as superseded) and reuses its buffers,
+so the publisher holds at most two snapshots. A failing receiver never blocks the learner:
+forming and broadcasting are bounded by `timeout_s`; on failure the group is dropped, the
+result says why, and the next publication forms a new epoch with the members it is given.
+
+The rendezvous store (a `TCPStore` server) lives here, on `store_host:store_port` (port 0
+picks a free one; `store_port` tells which). The announcement is a plain msgpack-able dict;
+`announce` must deliver it to every member (the hub forwards it), and may be called again for
+the next publication before receivers finished the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+
+from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, pack
+from asyncrl.weights.gloo_backend import (
+    BroadcastGroup,
+    buffer_device,
+    check_backend,
+    new_unique_id,
+    open_group,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """How one publication went."""
+
+    policy_version: int
+    ok: bool
+    epoch: int
+    num_receivers: int
+    num_bytes: int = 0
+    snapshot_s: float = 0.0
+    """Time `publish` spent copying parameters (the learner's stall)."""
+    form_s: float = 0.0
+    """Time spent forming a new group (0 when the epoch's group was reused)."""
+    broadcast_s: float = 0.0
+    error: str = ""
+
+    @property
+    def gbps(self) -> float:
+        """Broadcast throughput in GB/s (1e9 bytes)."""
+        return self.num_bytes / self.broadcast_s / 1e9 if self.broadcast_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """Counters since the publisher started."""
+
+    num_published: int = 0
+    num_failed: int = 0
+    num_superseded: int = 0
+    bytes_sent: int = 0
+    broadcast_s: float = 0.0
+
+
+@dataclass
+class _Job:
+    policy_version: int
+    buffers: list[torch.Tensor]
+    members: tuple[str, ...]
+    snapshot_s: float
+    ready: torch.cuda.Event | None
+
+
+class WeightPublisher:
+    """Non-blocking, bucketed publication of the learner's weights to a changing set of actors."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        *,
+        backend: str = "gloo",
+        store_host: str = "127.0.0.1",
+        store_port: int = 0,
+        timeout_s: float = 60.0,
+        announce: Callable[[dict[str, Any]], None],
+    ) -> None:
+        check_backend(backend)
+        if timeout_s <= 0:
+            raise ValueError(f"weights.timeout_s: must be > 0, got {timeout_s}")
+        self.plan, self.backend, self.timeout_s = plan, backend, timeout_s
+        self.store_host = store_host
+        self._store = TCPStore(
+            store_host, store_port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.store_port: int = self._store.port
+        self._announce = announce
+        self._device = buffer_device(backend)
+        self._cond = threading.Condition()
+        self._queued: _Job | None = None
+        self._busy = False
+        self._closed = False
+        self._free: list[list[torch.Tensor]] = []
+        self._stats = PublisherStats()
+        self._last: PublishResult | None = None
+        self._group: BroadcastGroup | None = None
+        self._members: tuple[str, ...] = ()
+        self._epoch = 0
+        self._thread = threading.Thread(
+            target=self._loop, name="asyncrl-weights-publisher", daemon=True
+        )
+        self._thread.start()
+
+    # -- learner thread ------------------------------------------------------------------------
+
+    def publish(
+        self,
+        policy_version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        members: Sequence[str],
+    ) -> None:
+        """Snapshot `named_tensors` and queue their broadcast to `members`; returns at once.
+
+        Call it from one thread. The tensors may change as soon as it returns.
+        """
+        if len(set(members)) != len(members):
+            raise ValueError(f"publish: duplicate actor ids in members {list(members)}")
+        start = time.perf_counter()
+        with self._cond:
+            if self._closed:
+                raise ValueError("publish: the publisher is closed")
+            buffers = self._take_buffers()
+        try:
+            pack(self.plan, dict(named_tensors), buffers)
+        except BaseException:
+            with self._cond:
+                self._free.append(buffers)
+            raise
+        ready = None
+        if self._device.type == "cuda":  # the snapshot copies run on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._device))
+        snapshot_s = time.perf_counter() - start
+        job = _Job(policy_version, buffers, tuple(sorted(members)), snapshot_s, ready)
+        with self._cond:
+            self._queued = job
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight; False if `timeout` (s) passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queued is None and not self._busy, timeout)
+
+    @property
+    def last_result(self) -> PublishResult | None:
+        """The most recent finished publication (successful or not)."""
+        with self._cond:
+            return self._last
+
+    @property
+    def stats(self) -> PublisherStats:
+        """A copy of the counters."""
+        with self._cond:
+            return replace(self._stats)
+
+    @property
+    def epoch(self) -> int:
+        """Current membership epoch (0 before the first group)."""
+        return self._epoch
+
+    def close(self) -> None:
+        """Drop a queued publication, let the one in flight end (bounded), release everything."""
+        with self._cond:
+            self._closed = True
+            self._queued = None
+            self._cond.notify_all()
+        self._thread.join(timeout=2 * self.timeout_s + 5)
+        if self._thread.is_alive():
+            log.warning("weights: publisher thread still busy at close; leaving it behind")
+            return
+        self._drop_group()
+
+    def _take_buffers(self) -> list[torch.Tensor]:
+        """The queued job's buffers (it is superseded), a free set, or a new one."""
+        if self._queued is not None:
+            job, self._queued = self._queued, None
+            self._stats = replace(self._stats, num_superseded=self._stats.num_superseded + 1)
+            log.info("weights: policy_version %d superseded before it started", job.policy_version)
+            return job.buffers
+        if self._free:
+            return self._free.pop()
+        return allocate_buckets(self.plan, self._device)
+
+    # -- publisher thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closed)
+                if self._closed:
+                    return
+                job, self._queued, self._busy = self._queued, None, True
+            result = self._run(job)
+            with self._cond:
+                self._free.append(job.buffers)
+                self._record(result)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _run(self, job: _Job) -> PublishResult:
+        if not job.members:
+            return PublishResult(
+                job.policy_version, True, self._epoch, 0, snapshot_s=job.snapshot_s
+            )
+        form_s = 0.0
+        try:
+            fresh = self._group is None or job.members != self._members
+            if fresh:
+                self._next_epoch(job.members)
+            unique_id = new_unique_id(self.backend) if fresh else None
+            self._announce(self._announcement(job.policy_version, unique_id))
+            if fresh:
+                t0 = time.perf_counter()
+                self._group = self._form(unique_id)
+                form_s = time.perf_counter() - t0
+            if job.ready is not None:
+                torch.cuda.current_stream(self._device).wait_event(job.ready)
+            t0 = time.perf_counter()
+            assert self._group is not None
+            num_bytes = self._group.broadcast(job.buffers)
+            seconds = time.perf_counter() - t0
+        except Exception as exc:  # the thread must survive any failure, including announce's
+            log.warning("weights: publishing policy_version %d failed: %s", job.policy_version, exc)
+            self._drop_group()
+            return PublishResult(
+                job.policy_version, False, self._epoch, len(job.members),
+                snapshot_s=job.snapshot_s, form_s=form_s, error=f"{type(exc).__name__}: {exc}",
+            )  # fmt: skip
+        return PublishResult(
+            job.policy_version, True, self._epoch, len(job.members), num_bytes,
+            job.snapshot_s, form_s, seconds,
+        )  # fmt: skip
+
+    def _next_epoch(self, members: tuple[str, ...]) -> None:
+        self._drop_group()
+        self._epoch += 1
+        self._members = members
+
+    def _announcement(self, policy_version: int, unique_id: bytes | None) -> dict[str, Any]:
+        return {
+            "policy_version": policy_version,
+            "plan_hash": self.plan.plan_hash,
+            "backend": self.backend,
+            "epoch": self._epoch,
+            "store_host": self.store_host,
+            "store_port": self.store_port,
+            "world_size": len(self._members) + 1,
+            "ranks": {actor: i + 1 for i, actor in enumerate(self._members)},
+            "nccl_unique_id": unique_id,
+        }
+
+    def _form(self, unique_id: bytes | None) -> BroadcastGroup:
+        return open_group(
+            self.backend, self._store, epoch=self._epoch, rank=0,
+            world_size=len(self._members) + 1, timeout_s=self.timeout_s, unique_id=unique_id,
+        )  # fmt: skip
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def _record(self, result: PublishResult) -> None:
+        s = self._stats
+        if result.ok:
+            self._stats = replace(
+                s, num_published=s.num_published + 1, bytes_sent=s.bytes_sent + result.num_bytes,
+                broadcast_s=s.broadcast_s + result.broadcast_s,
+            )  # fmt: skip
+        else:
+            self._stats = replace(s, num_failed=s.num_failed + 1)
+        self._last = result

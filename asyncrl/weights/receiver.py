@@ -1,0 +1,230 @@
+"""The actor's side of the weight broadcast: join the announced group, receive, hand over.
+
+```
+ socket thread                  receiver thread                      actor loop
+ -------------                  ---------------                      ----------
+ on_announce(ann) ---queue--->  skip announcements whose group a     at a generation boundary:
+   plan_hash checked here         later one replaced                   got = poll()
+                                new (store, epoch)? join the group     if got: load(got)
+                                receive buckets straight into a
+                                fresh buffer set, two in flight;
+                                a newer group announced meanwhile
+                                interrupts the wait
+                                ready = (policy_version, buffers) --> newest ready one;
+                                  (an unclaimed older one is          older unclaimed ones
+                                   superseded and its buffers reused)  are dropped
+```
+
+Announcements arrive in the learner's order; every one whose group is still current is
+received in turn (the learner broadcasts each one it announced). Buckets land directly in the
+buffers that `poll()`'s named tensors view, so unpacking copies nothing. A wrong `plan_hash`
+is refused in `on_announce` (`ValueError` naming both hashes) and nothing is joined or loaded.
+A failed or timed-out receive drops the group and waits for the next announcement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+
+from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, unpack
+from asyncrl.weights.gloo_backend import BroadcastError, BroadcastGroup, buffer_device, open_group
+
+log = logging.getLogger(__name__)
+
+ANNOUNCEMENT_KEYS = (
+    "policy_version", "plan_hash", "backend", "epoch", "store_host", "store_port",
+    "world_size", "ranks", "nccl_unique_id",
+)  # fmt: skip
+"""Fields of a weights announcement (see `WeightPublisher`)."""
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """Counters since the receiver started."""
+
+    num_received: int = 0
+    num_failed: int = 0
+    num_superseded: int = 0
+    num_skipped: int = 0
+    """Announcements not received because a later one replaced their group."""
+
+
+def _group_key(ann: Mapping[str, Any]) -> tuple[str, int, int]:
+    return (ann["store_host"], ann["store_port"], ann["epoch"])
+
+
+class WeightReceiver:
+    """Receives published weights on a background thread; `poll()` hands over the newest."""
+
+    def __init__(
+        self, plan: BucketPlan, actor_id: str, *, timeout_s: float = 60.0, backend: str = "gloo"
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"weights.timeout_s: must be > 0, got {timeout_s}")
+        self.plan, self.actor_id, self.timeout_s, self.backend = plan, actor_id, timeout_s, backend
+        self._device = buffer_device(backend)
+        self._cond = threading.Condition()
+        self._queue: deque[dict[str, Any]] = deque()
+        self._ready: tuple[int, list[torch.Tensor]] | None = None
+        self._spare: list[list[torch.Tensor]] = []
+        self._closed = False
+        self._stats = ReceiverStats()
+        self.last_error = ""
+        """Why the last receive failed ("" if none did)."""
+        self._group: BroadcastGroup | None = None
+        self._group_key: tuple[str, int, int] | None = None
+        self._store_client: tuple[tuple[str, int], TCPStore] | None = None
+        self._thread = threading.Thread(
+            target=self._loop, name="asyncrl-weights-receiver", daemon=True
+        )
+        self._thread.start()
+
+    # -- caller threads ------------------------------------------------------------------------
+
+    def on_announce(self, announcement: Mapping[str, Any]) -> None:
+        """Queue an announcement for the receiver thread; returns at once.
+
+        Raises `ValueError` for a malformed announcement, another backend, or a plan whose hash
+        differs from this actor's (nothing is joined or loaded then).
+        """
+        ann = self._validated(announcement)
+        with self._cond:  # queued even when not a member: it still ends the previous group
+            self._queue.append(ann)
+            self._cond.notify_all()
+
+    def poll(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest fully received (policy_version, named tensors), once; None if nothing new."""
+        with self._cond:
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return None
+        return ready[0], unpack(self.plan, ready[1])
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until `poll()` has something; False if `timeout` (s) passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._ready is not None, timeout)
+
+    @property
+    def stats(self) -> ReceiverStats:
+        """A copy of the counters."""
+        with self._cond:
+            return replace(self._stats)
+
+    def close(self) -> None:
+        """Stop the thread (a receive in progress is interrupted) and leave the group."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.timeout_s + 5)
+        if self._thread.is_alive():
+            log.warning("weights: receiver thread still busy at close; leaving it behind")
+            return
+        self._drop_group()
+        self._store_client = None
+
+    def _validated(self, announcement: Mapping[str, Any]) -> dict[str, Any]:
+        missing = [k for k in ANNOUNCEMENT_KEYS if k not in announcement]
+        if missing:
+            raise ValueError(f"weights announcement: missing fields {missing}")
+        ann = dict(announcement)
+        if ann["plan_hash"] != self.plan.plan_hash:
+            raise ValueError(
+                f"weights announcement: plan_hash {ann['plan_hash']} of the learner differs from "
+                f"plan_hash {self.plan.plan_hash} of actor {self.actor_id}; refusing to load"
+            )
+        if ann["backend"] != self.backend:
+            raise ValueError(
+                f"weights announcement: backend {ann['backend']!r}, this actor uses {self.backend!r}"
+            )
+        return ann
+
+    # -- receiver thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closed)
+                if self._closed:
+                    return
+                ann = self._queue.popleft()
+                if self._replaced(ann):
+                    self._stats = replace(self._stats, num_skipped=self._stats.num_skipped + 1)
+                    continue
+            if self.actor_id not in ann["ranks"]:
+                log.info("weights: %s is not a member of epoch %d", self.actor_id, ann["epoch"])
+                self._drop_group()
+                continue
+            self._receive(ann)
+
+    def _replaced(self, ann: Mapping[str, Any]) -> bool:
+        """True when a queued announcement belongs to another (later) group than `ann`."""
+        key = _group_key(ann)
+        return any(_group_key(a) != key for a in self._queue)
+
+    def _interrupted(self) -> bool:
+        with self._cond:
+            return self._closed or self._replaced_current()
+
+    def _replaced_current(self) -> bool:
+        return any(_group_key(a) != self._group_key for a in self._queue)
+
+    def _receive(self, ann: dict[str, Any]) -> None:
+        buffers: list[torch.Tensor] | None = None
+        try:
+            if _group_key(ann) != self._group_key:
+                self._join(ann)
+            assert self._group is not None
+            with self._cond:
+                buffers = self._spare.pop() if self._spare else None
+            if buffers is None:
+                buffers = allocate_buckets(self.plan, self._device)
+            self._group.broadcast(buffers, self._interrupted)
+        except (BroadcastError, RuntimeError) as exc:  # RuntimeError: the store was unreachable
+            log.warning("weights: %s: receiving policy_version %d failed: %s",
+                        self.actor_id, ann["policy_version"], exc)  # fmt: skip
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._drop_group()  # the buffers may still be written by a parked operation: drop them
+            with self._cond:
+                self._stats = replace(self._stats, num_failed=self._stats.num_failed + 1)
+            return
+        with self._cond:
+            if self._ready is not None:
+                self._spare.append(self._ready[1])
+                self._stats = replace(self._stats, num_superseded=self._stats.num_superseded + 1)
+            self._ready = (int(ann["policy_version"]), buffers)
+            self._stats = replace(self._stats, num_received=self._stats.num_received + 1)
+            self._cond.notify_all()
+
+    def _join(self, ann: Mapping[str, Any]) -> None:
+        self._drop_group()
+        self._group = open_group(
+            self.backend, self._store(ann["store_host"], int(ann["store_port"])),
+            epoch=int(ann["epoch"]), rank=int(ann["ranks"][self.actor_id]),
+            world_size=int(ann["world_size"]), timeout_s=self.timeout_s,
+            unique_id=ann["nccl_unique_id"],
+        )  # fmt: skip
+        self._group_key = _group_key(ann)
+
+    def _store(self, host: str, port: int) -> TCPStore:
+        """A client of the learner's store, reused across epochs (a new learner: a new client)."""
+        if self._store_client is None or self._store_client[0] != (host, port):
+            timeout = timedelta(seconds=self.timeout_s)
+            self._store_client = ((host, port), TCPStore(host, port, None, False, timeout))
+        return self._store_client[1]
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._group_key = None, None

@@ -1,0 +1,132 @@
+"""The learner's per-step metric log: `metrics.jsonl` for tools and plots, TensorBoard for people.
+
+`MetricsLog(run_dir).log(step, metrics)` appends one JSON object per line to
+`<run_dir>/metrics.jsonl`:
+
+    {"step": 12, "time": 1733170000.12, "reward": 0.41, "staleness": [0, 1, 1, 2], ...}
+
+and writes each value to TensorBoard event files under `<run_dir>/tb/`: numbers as scalars,
+lists as histograms (e.g. the staleness of every group in the step's batch). Both are flushed
+on every call, so a crash loses nothing already logged and `tail -f` / TensorBoard see each step
+as it happens. Opening the log again on the same run directory appends (a resumed run continues
+the same file; TensorBoard orders by step).
+
+Values: ints and floats (bools count as ints), or lists/tuples of numbers. A non-finite number
+is written as `null` in the JSON (strict JSON has no NaN) and as NaN to TensorBoard; non-finite
+entries of a list are left out of its histogram. `step` and `time` are reserved keys. Keys may
+contain `/` to group TensorBoard panels (`loss/clipped_frac`). Only one process (rank 0) should
+log to a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from torch.utils.tensorboard import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+_RESERVED = ("step", "time")
+
+Value = float | int | list[float] | list[int]
+
+
+class MetricsLog:
+    """Append-only metric log of one run directory (JSON lines + TensorBoard)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        """The JSON-lines file, one object per logged step."""
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
+        self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
+
+    def log(self, step: int, metrics: dict[str, Value]) -> None:
+        """Record `metrics` for optimizer step `step`; both sinks are flushed before returning."""
+        if self._file.closed:
+            raise ValueError("MetricsLog: log() after close()")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step: must be an integer >= 0, got {step!r}")
+        clean = {key: _clean(key, value) for key, value in metrics.items()}
+        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        record.update({k: _json_value(v) for k, v in clean.items()})
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        for key, value in clean.items():
+            self._write_tb(key, value, int(step), record["time"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close both sinks (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
+            self._writer.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _write_tb(self, key: str, value: float | int | list[float], step: int, wall: float) -> None:
+        if isinstance(value, list):
+            finite = np.asarray([v for v in value if math.isfinite(v)], dtype=np.float64)
+            if finite.size:
+                self._writer.add_histogram(key, finite, step, walltime=wall)
+            return
+        self._writer.add_scalar(key, float(value), step, walltime=wall)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of `<run_dir>/metrics.jsonl`, in order (a torn last line is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _clean(key: str, value: object) -> float | int | list[float]:
+    """Plain Python number or list of floats, or ValueError naming the key."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"metrics: keys must be non-empty strings, got {key!r}")
+    if key in _RESERVED:
+        raise ValueError(f"metrics.{key}: reserved key")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, list | tuple | np.ndarray):
+        items = list(np.asarray(value).ravel()) if isinstance(value, np.ndarray) else list(value)
+        if not all(isinstance(v, numbers.Real) for v in items):
+            raise ValueError(f"metrics.{key}: a list must hold only numbers")
+        return [float(v) for v in items]
+    raise ValueError(
+        f"metrics.{key}: must be a number or a list of numbers, got {type(value).__name__}"
+    )
+
+
+def _json_value(value: float | int | list[float]) -> Any:
+    if isinstance(value, list):
+        return [v if math.isfinite(v) else None for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

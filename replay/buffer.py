@@ -1,0 +1,217 @@
+"""The replay buffer: stored groups, the staleness bound, sampling order, reuse and its limiter.
+
+A pure data structure: no sockets, no clock, no threads. The unit of storage and sampling is a
+whole `Group` (all samples of one prompt). Invariants (pinned by tests/unit/test_buffer.py):
+
+- Staleness: at policy version v a group is eligible iff v - group.min_policy_version <= η
+  (`max_staleness`). Versions only move forward, so a group that is stale stays stale: it is
+  dropped (never handed out), counted, and returned to the caller so its prompt is re-issued.
+  The buffer never holds a group that is stale at its current version.
+- Nothing is lost or duplicated: every inserted group ends exactly once as exhausted (sampled
+  `max_times_sampled` times), dropped stale, or still stored. A repeat of a stored (actor_id,
+  seq) is reported as a duplicate and not stored again.
+- Capacity is a hard limit: an insert into a full buffer is refused (`InsertResult.FULL`),
+  never silently evicting anything.
+- `sample` is all-or-nothing: exactly `num_groups` distinct groups, or none (the caller parks
+  the request until enough are eligible).
+
+Order: `fifo` takes the oldest inserted first; `freshest` takes the highest
+`min_policy_version` first (oldest inserted first among equals).
+
+Reuse limiter (Reverb's SampleToInsertRatio, in groups): with `samples_per_insert` = r > 0 the
+buffer tracks diff = r * inserted - sampled. A batch of n may be sampled only while
+diff - n >= -T, and `insert_room()` (which the hub's credits honour) allows inserts only while
+diff + r <= T, with T = `tolerance`. A group that leaves by staleness before its r samples settles
+its account (counted as sampled r times), so drops cannot wedge the limiter. The constructor
+refuses settings that could deadlock: r > max_times_sampled (diff would grow without bound),
+T < r * n (inserts would stop before one batch is stored), and 2T < n + r (both sides blocked).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from asyncrl.protocol import Group
+
+
+class InsertResult(enum.Enum):
+    STORED = "stored"
+    DUPLICATE = "duplicate"
+    STALE = "stale"  # already too stale on arrival: not stored, its prompt should be re-issued
+    FULL = "full"
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: tuple[str, int]
+    group: Group
+    min_version: int
+    times_sampled: int = 0
+
+
+class ReplayBuffer:
+    """Groups waiting for the learner, keyed by (actor_id, seq)."""
+
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        max_staleness: int,
+        batch_groups: int,
+        sampling: Literal["fifo", "freshest"] = "fifo",
+        max_times_sampled: int = 1,
+        samples_per_insert: float = 0.0,
+        tolerance: float = 64.0,
+    ) -> None:
+        if capacity < batch_groups:
+            raise ValueError(f"replay.capacity_groups: must hold one batch ({batch_groups}), got {capacity}")
+        if sampling not in ("fifo", "freshest"):
+            raise ValueError(f"replay.sampling: must be 'fifo' or 'freshest', got {sampling!r}")
+        _check_limiter(samples_per_insert, tolerance, batch_groups, max_times_sampled)
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.batch_groups = batch_groups
+        self.sampling = sampling
+        self.max_times_sampled = max_times_sampled
+        self.samples_per_insert = samples_per_insert
+        self.tolerance = tolerance
+        self.policy_version = 0
+        self._entries: dict[tuple[str, int], _Entry] = {}  # insertion order = FIFO order
+        self._by_version: dict[int, dict[tuple[str, int], _Entry]] = {}
+        self._limiter_diff = 0.0
+        self.num_inserted = 0
+        self.num_sampled = 0  # hand-outs (a group sampled twice counts twice)
+        self.num_consumed = 0  # distinct groups handed out at least once
+        self.num_unsampled = 0  # stored groups never handed out yet
+        self.num_dropped_stale = 0
+        self.num_duplicates = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._entries
+
+    # --- insert ---------------------------------------------------------------------------------
+
+    def insert(self, group: Group) -> InsertResult:
+        """Store a group unless it is a duplicate, already stale, or the buffer is full."""
+        key = (group.actor_id, group.seq)
+        if key in self._entries:
+            self.num_duplicates += 1
+            return InsertResult.DUPLICATE
+        min_version = group.min_policy_version
+        if self._is_stale(min_version, self.policy_version):
+            self.num_dropped_stale += 1
+            return InsertResult.STALE
+        if len(self._entries) >= self.capacity:
+            return InsertResult.FULL
+        entry = _Entry(key, group, min_version)
+        self._entries[key] = entry
+        self._by_version.setdefault(min_version, {})[key] = entry
+        self.num_inserted += 1
+        self.num_unsampled += 1
+        self._limiter_diff += self.samples_per_insert
+        return InsertResult.STORED
+
+    def insert_room(self) -> int:
+        """Inserts the reuse limiter allows now (capacity aside); large when it is off."""
+        if self.samples_per_insert <= 0:
+            return self.capacity
+        room = (self.tolerance - self._limiter_diff) / self.samples_per_insert
+        return max(0, math.floor(room + 1e-9))
+
+    # --- staleness ------------------------------------------------------------------------------
+
+    def _is_stale(self, min_version: int, policy_version: int) -> bool:
+        return policy_version - min_version > self.max_staleness
+
+    def drop_stale(self, policy_version: int) -> list[Group]:
+        """Adopt `policy_version` (only forward) and drop every group now too stale."""
+        if policy_version <= self.policy_version:
+            return []
+        self.policy_version = policy_version
+        cutoff = policy_version - self.max_staleness  # eligible iff min_version >= cutoff
+        dropped: list[Group] = []
+        for version in sorted(v for v in self._by_version if v < cutoff):
+            for entry in self._by_version.pop(version).values():
+                del self._entries[entry.key]
+                self._settle(entry)
+                dropped.append(entry.group)
+        self.num_dropped_stale += len(dropped)
+        return dropped
+
+    # --- sample ---------------------------------------------------------------------------------
+
+    def can_sample(self, num_groups: int) -> bool:
+        """Whether `sample(num_groups)` at the current version would return a batch."""
+        if len(self._entries) < num_groups:
+            return False
+        return self.samples_per_insert <= 0 or self._limiter_diff - num_groups >= -self.tolerance
+
+    def sample(self, policy_version: int, num_groups: int) -> tuple[list[Group], list[Group]]:
+        """(exactly num_groups eligible groups or [], groups dropped as stale on the way)."""
+        assert num_groups >= 1
+        dropped = self.drop_stale(policy_version)
+        if not self.can_sample(num_groups):
+            return [], dropped
+        chosen = self._choose(num_groups)
+        for entry in chosen:
+            if entry.times_sampled == 0:
+                self.num_consumed += 1
+                self.num_unsampled -= 1
+            entry.times_sampled += 1
+            if entry.times_sampled >= self.max_times_sampled:
+                self._remove(entry)
+        self.num_sampled += num_groups
+        self._limiter_diff -= num_groups
+        return [entry.group for entry in chosen], dropped
+
+    def _choose(self, num_groups: int) -> list[_Entry]:
+        if self.sampling == "fifo":
+            it = iter(self._entries.values())
+            return [next(it) for _ in range(num_groups)]
+        chosen: list[_Entry] = []
+        for version in sorted(self._by_version, reverse=True):
+            for entry in self._by_version[version].values():
+                chosen.append(entry)
+                if len(chosen) == num_groups:
+                    return chosen
+        raise AssertionError("can_sample() said there were enough groups")
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._entries[entry.key]
+        bucket = self._by_version[entry.min_version]
+        del bucket[entry.key]
+        if not bucket:
+            del self._by_version[entry.min_version]
+
+    def _settle(self, entry: _Entry) -> None:
+        """A group leaving by staleness: count its missing samples so the limiter stays live."""
+        if entry.times_sampled == 0:
+            self.num_unsampled -= 1
+        self._limiter_diff -= max(0.0, self.samples_per_insert - entry.times_sampled)
+
+    def stored_groups(self) -> list[Group]:
+        """Every stored group, in insertion order (for stats and tests)."""
+        return [entry.group for entry in self._entries.values()]
+
+
+def _check_limiter(rate: float, tolerance: float, batch: int, max_times_sampled: int) -> None:
+    """Refuse limiter settings under which inserts and samples could both block forever."""
+    if rate <= 0:
+        return
+    if rate > max_times_sampled:
+        raise ValueError(
+            f"replay.samples_per_insert: {rate} exceeds replay.max_times_sampled={max_times_sampled}; "
+            "groups would leave before their samples and the limiter would stop all inserts"
+        )
+    need = max(rate * batch, (batch + rate) / 2)
+    if tolerance < need:
+        raise ValueError(
+            f"replay.samples_per_insert_tolerance: {tolerance} could deadlock with batches of "
+            f"{batch} groups at samples_per_insert={rate}; needs >= {need:g}"
+        )

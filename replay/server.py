@@ -1,0 +1,464 @@
+"""The hub (`asyncrl replay`): the only code in replay/ that touches sockets.
+
+    actors (DEALER)                       hub (one ROUTER, one thread)                learner
+    ---------------                       ----------------------------                -------
+    Hello ------------------------------> register, check protocol + config hash <--- Hello
+          <------------------------------ Welcome / Error(protocol|config_mismatch)
+          <------------------------------ Credits   (admission: AReaL window, capacity,
+                                                     reuse limiter, actor concurrency)
+    Group ------------------------------> validate credit, dedup (actor_id, seq),
+          <------------------------------ Ack        store in ReplayBuffer
+                                          SampleRequest parked until num_groups are <--- SampleRequest
+                                          eligible (staleness <= η), then Batch ------> Batch
+                                          Version: adopt, drop stale, re-issue ------> Members
+          <------------------------------ WeightsAnnounce (forwarded unchanged) <---- WeightsAnnounce
+    WeightsLoaded, Heartbeat, Bye ------> liveness; dead actors' credits re-issued
+
+Back-pressure: actors generate only with credits, and credits are issued only while
+`replay.admission` allows (the learner's version moves the window); so a slow learner makes
+actors wait rather than produce groups that would go stale. The learner waits (its request is
+parked) while too few fresh groups exist. Sends never block the loop: a peer whose pipe is full
+gets a per-peer backlog, flushed as it drains.
+
+Bad input (garbage, truncated frames, wrong protocol, wrong types, NaN, oversized, a credit not
+held, a message from an unregistered routing id) is answered with `Error(code, field, detail)`
+to its sender only, counted by code, logged at most once per sender per minute; everyone else
+keeps being served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from asyncrl import auth
+from asyncrl.config import RunConfig, load_config
+from asyncrl.protocol import (
+    Ack,
+    Batch,
+    Bye,
+    CreditItem,
+    CreditReturn,
+    Credits,
+    Error,
+    Group,
+    Heartbeat,
+    Hello,
+    Members,
+    Message,
+    ProtocolError,
+    SampleRequest,
+    Stats,
+    StatsRequest,
+    Version,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+    check_hello,
+    decode,
+    encode,
+)
+from asyncrl.transport import bind_router
+from replay.admission import allocate, credits_available
+from replay.buffer import InsertResult, ReplayBuffer
+from replay.prompts import PromptSource, load_dataset
+
+log = logging.getLogger("asyncrl.replay")
+DEDUP_WINDOW = 65536  # seqs remembered per actor; a client resends only its unacked groups
+ROLE_OF = {
+    Group: "actor", WeightsLoaded: "actor",
+    SampleRequest: "learner", Version: "learner", WeightsAnnounce: "learner",
+}  # fmt: skip
+
+
+@dataclass(eq=False)
+class Client:
+    identity: bytes
+    client_id: str
+    role: str
+    concurrency: int
+    last_seen: float
+    credits: dict[int, str] = field(default_factory=dict)  # credit_id -> prompt_id
+    loaded_version: int = -1
+    seen: set[int] = field(default_factory=set)
+    seen_order: collections.deque[int] = field(default_factory=collections.deque)
+
+    def remember(self, seq: int) -> None:
+        self.seen.add(seq)
+        self.seen_order.append(seq)
+        if len(self.seen_order) > DEDUP_WINDOW:
+            self.seen.discard(self.seen_order.popleft())
+
+
+@dataclass
+class Parked:
+    identity: bytes
+    request: SampleRequest
+    since: float
+
+
+class Hub:
+    """Replay hub: binds on construction; `serve_forever()` runs the loop until `stop()`."""
+
+    def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
+                 allow_insecure: bool = False) -> None:
+        self.cfg, rc = cfg, cfg.replay
+        self.buffer = ReplayBuffer(
+            capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
+            batch_groups=cfg.learner.groups_per_step, sampling=rc.sampling,
+            max_times_sampled=rc.max_times_sampled, samples_per_insert=rc.samples_per_insert,
+            tolerance=rc.samples_per_insert_tolerance,
+        )  # fmt: skip
+        self.prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
+        self.config_hash = cfg.config_hash()
+        self.incarnation = secrets.randbelow(2**30 - 1) + 1  # high bits of every credit id
+        self.credit_serial = 0
+        self.ctx = zmq.Context()
+        self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
+        self.sock, self.endpoint = bind_router(self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure)
+        self.clients: dict[bytes, Client] = {}
+        self.credit_owner: dict[int, bytes] = {}
+        self.parked: collections.deque[Parked] = collections.deque()
+        self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.staleness_hist: collections.Counter[int] = collections.Counter()
+        self.departed: dict[str, dict[str, Any]] = {}
+        self.last_logged: dict[bytes, float] = {}
+        self.dropped_since_batch = 0
+        self.running = True
+        self.handlers = {
+            Hello: self.on_hello, Group: self.on_group, SampleRequest: self.on_sample_request,
+            Version: self.on_version, WeightsAnnounce: self.on_weights_announce,
+            WeightsLoaded: self.on_weights_loaded, Heartbeat: self.on_heartbeat,
+            CreditReturn: self.on_credit_return, StatsRequest: self.on_stats_request,
+            Bye: self.on_bye,
+        }  # fmt: skip
+
+    @property
+    def policy_version(self) -> int:
+        return self.buffer.policy_version
+
+    # --- the main loop --------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Receive, handle, flush, expire, grant, serve: until `stop()`."""
+        tick_ms = int(min(self.cfg.replay.heartbeat_interval_s, 1.0) * 500)
+        try:
+            while self.running:
+                self.sock.poll(tick_ms, zmq.POLLIN)  # wait for messages or the next tick
+                self.receive_all()  # handle each waiting message (bounded)
+                self.flush_backlog()  # peers whose pipes were full
+                self.expire_dead_clients(time.monotonic())
+                self.grant_credits()  # refill actors' credit windows
+                self.serve_parked()  # answer sample requests that can be answered now
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from signal handlers and other threads)."""
+        self.running = False
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.term()
+
+    # --- receiving ------------------------------------------------------------------------------
+
+    def receive_all(self, limit: int = 2000) -> None:
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle(frames[0].bytes, frames[1:])
+
+    def handle(self, identity: bytes, frames: list[Any]) -> None:
+        """Decode one message and run its handler; any refusal becomes an Error reply."""
+        try:
+            msg = decode(frames, self.cfg.replay.max_message_bytes)
+            client = self.clients.get(identity)
+            if client is None and not isinstance(msg, Hello):
+                raise ProtocolError("client_id", "unknown sender: send Hello first", "not_registered")
+            if client is not None:
+                client.last_seen = time.monotonic()
+                role = ROLE_OF.get(type(msg))
+                if role is not None and client.role != role:
+                    raise ProtocolError("type", f"{msg.TYPE} is for role {role}, you are {client.role}", "bad_role")
+            self.handlers[type(msg)](identity, client, msg, frames)
+        except ProtocolError as exc:
+            self.refuse(identity, exc)
+
+    def refuse(self, identity: bytes, exc: ProtocolError) -> None:
+        self.errors[exc.code] += 1
+        now = time.monotonic()
+        if now - self.last_logged.get(identity, -1e9) >= 60.0:
+            self.last_logged[identity] = now
+            log.warning("refused a message from %r: %s %s: %s", identity, exc.code, exc.field, exc.detail)
+        self.send(identity, Error(code=exc.code, field=exc.field, detail=exc.detail))
+
+    # --- handlers (identity, client or None for Hello, message, raw frames) ---------------------
+
+    def on_hello(self, identity: bytes, client: Client | None, msg: Hello, frames: list[Any]) -> None:
+        check_hello(msg, self.config_hash)
+        if client is not None:  # a new session under the same routing id: the old one is over
+            self.drop_client(client, "replaced")
+        self.clients[identity] = Client(identity, msg.client_id, msg.role, msg.concurrency, time.monotonic())
+        self.departed.pop(msg.client_id, None)
+        log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
+        self.send(identity, Welcome(
+            client_id=msg.client_id, policy_version=self.policy_version,
+            heartbeat_interval_s=self.cfg.replay.heartbeat_interval_s,
+            max_staleness=self.cfg.replay.max_staleness,
+        ))  # fmt: skip
+
+    def on_group(self, identity: bytes, client: Client, g: Group, frames: list[Any]) -> None:
+        self.counters["groups_received"] += 1
+        if g.actor_id != client.client_id:
+            raise ProtocolError("actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}")
+        if g.seq in client.seen:  # a resend of a group already taken: ack again, store once
+            self.counters["groups_duplicate"] += 1
+            self.send_ack(identity, g)
+            return
+        ours = g.credit_id >> 32 == self.incarnation
+        if ours and client.credits.get(g.credit_id) is None:
+            raise ProtocolError("credit_id", f"credit {g.credit_id} is not held by this actor", "unknown_credit")
+        result = self.buffer.insert(g)
+        if result is InsertResult.FULL:
+            raise ProtocolError("group", f"replay is full ({self.buffer.capacity} groups)", "capacity")
+        if ours:
+            del client.credits[g.credit_id]
+            del self.credit_owner[g.credit_id]
+        else:
+            self.counters["groups_adopted"] += 1  # completed work for a credit of an earlier hub
+        if result is InsertResult.STORED:
+            self.counters["groups_stored"] += 1
+        elif result is InsertResult.STALE:
+            self.dropped([g])
+        client.remember(g.seq)
+        self.send_ack(identity, g)
+
+    def on_sample_request(self, identity: bytes, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
+        if not 1 <= msg.num_groups <= self.buffer.capacity:
+            raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")
+        self.adopt_version(msg.policy_version)
+        self.parked.append(Parked(identity, msg, time.monotonic()))
+
+    def on_version(self, identity: bytes, client: Client, msg: Version, frames: list[Any]) -> None:
+        self.adopt_version(msg.policy_version)
+        actors = sorted(c.client_id for c in self.clients.values() if c.role == "actor")
+        self.send(identity, Members(policy_version=self.policy_version, actor_ids=actors))
+
+    def on_weights_announce(self, identity: bytes, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
+        self.counters["weights_announced"] += 1
+        for peer in [c.identity for c in self.clients.values() if c.role == "actor"]:
+            self.send_frames(peer, list(frames))  # forwarded unchanged, not re-encoded
+
+    def on_weights_loaded(self, identity: bytes, client: Client, msg: WeightsLoaded, frames: list[Any]) -> None:
+        client.loaded_version = max(client.loaded_version, msg.policy_version)
+
+    def on_heartbeat(self, identity: bytes, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
+        if client.role == "learner":  # a hub that restarted learns the version from the beat
+            self.adopt_version(msg.policy_version)
+        elif client.role == "actor":
+            client.loaded_version = max(client.loaded_version, msg.policy_version)
+
+    def on_credit_return(self, identity: bytes, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
+        for credit_id in msg.credit_ids:
+            prompt_id = client.credits.pop(credit_id, None)
+            if prompt_id is not None:
+                del self.credit_owner[credit_id]
+                self.prompts.reissue(prompt_id)
+                self.counters["credits_returned"] += 1
+
+    def on_stats_request(self, identity: bytes, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
+        self.send(identity, Stats(stats=self.stats()))
+
+    def on_bye(self, identity: bytes, client: Client, msg: Bye, frames: list[Any]) -> None:
+        self.drop_client(client, msg.reason or "bye")
+
+    # --- state changes --------------------------------------------------------------------------
+
+    def adopt_version(self, policy_version: int) -> None:
+        """The learner's version only moves forward; groups now too stale are dropped."""
+        if policy_version > self.policy_version:
+            self.dropped(self.buffer.drop_stale(policy_version))
+
+    def dropped(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.prompts.reissue(g.prompt_id)
+        self.counters["groups_dropped_stale"] += len(groups)
+        self.dropped_since_batch += len(groups)
+
+    def drop_client(self, client: Client, why: str) -> None:
+        """A client left or died: its credits expire and their prompts are re-issued."""
+        for prompt_id in client.credits.values():
+            self.prompts.reissue(prompt_id)
+        for credit_id in client.credits:
+            del self.credit_owner[credit_id]
+        self.counters["credits_expired"] += len(client.credits)
+        self.clients.pop(client.identity, None)
+        self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
+        self.backlog.pop(client.identity, None)
+        self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
+                                           "loaded_version": client.loaded_version}  # fmt: skip
+        log.info("%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, len(client.credits))
+
+    def expire_dead_clients(self, now: float) -> None:
+        timeout = self.cfg.replay.heartbeat_timeout_s
+        for client in [c for c in self.clients.values() if now - c.last_seen > timeout]:
+            self.drop_client(client, f"silent for more than {timeout} s")
+
+    def grant_credits(self) -> None:
+        """Top up each actor's credit window as far as admission allows, one message each."""
+        free = {c.identity: c.concurrency - len(c.credits) for c in self.clients.values() if c.role == "actor"}
+        if not any(n > 0 for n in free.values()):
+            return
+        total = credits_available(
+            policy_version=self.policy_version, max_staleness=self.cfg.replay.max_staleness,
+            groups_per_step=self.cfg.learner.groups_per_step, consumed=self.buffer.num_consumed,
+            ready=self.buffer.num_unsampled, in_flight=len(self.credit_owner), stored=len(self.buffer),
+            capacity=self.buffer.capacity, insert_room=self.buffer.insert_room(),
+        )  # fmt: skip
+        for identity, n in allocate(total, free).items():
+            client = self.clients[identity]
+            items = tuple(self.new_credit(client) for _ in range(n))
+            self.counters["credits_issued"] += n
+            self.send(identity, Credits(group_size=self.cfg.actor.group_size,
+                                        policy_version=self.policy_version, items=items))  # fmt: skip
+
+    def new_credit(self, client: Client) -> CreditItem:
+        prompt, seed = self.prompts.next_prompt()
+        self.credit_serial += 1
+        credit_id = (self.incarnation << 32) | self.credit_serial
+        client.credits[credit_id] = prompt.prompt_id
+        self.credit_owner[credit_id] = client.identity
+        return CreditItem(credit_id=credit_id, prompt_id=prompt.prompt_id, prompt=prompt.prompt,
+                          seed=seed, info=prompt.info)  # fmt: skip
+
+    def serve_parked(self) -> None:
+        """Answer parked sample requests in arrival order while enough eligible groups exist."""
+        while self.parked:
+            parked = self.parked[0]
+            groups, dropped = self.buffer.sample(self.policy_version, parked.request.num_groups)
+            self.dropped(dropped)
+            if not groups:
+                return
+            self.parked.popleft()
+            self.counters["groups_consumed"] += len(groups)
+            for g in groups:
+                self.staleness_hist[self.policy_version - g.min_policy_version] += 1
+            batch = Batch(request_id=parked.request.request_id, policy_version=self.policy_version,
+                          groups=tuple(groups), dropped_stale=self.dropped_since_batch,
+                          wait_s=time.monotonic() - parked.since)  # fmt: skip
+            self.dropped_since_batch = 0
+            self.send(parked.identity, batch)
+
+    # --- sending --------------------------------------------------------------------------------
+
+    def send_ack(self, identity: bytes, g: Group) -> None:
+        self.send(identity, Ack(seq=g.seq, credit_id=g.credit_id))
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        self.send_frames(identity, encode(msg))
+
+    def send_frames(self, identity: bytes, frames: list[Any]) -> None:
+        """Send without blocking; a full peer pipe queues to its backlog, a gone peer drops."""
+        pending = self.backlog.get(identity)
+        if pending:
+            pending.append(frames)
+            return
+        try:
+            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.backlog.setdefault(identity, collections.deque()).append(frames)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
+            self.counters["sends_dropped"] += 1
+            log.debug("cannot send to %r: %s", identity, exc)
+
+    def flush_backlog(self) -> None:
+        for identity in list(self.backlog):
+            pending = self.backlog[identity]
+            while pending:
+                try:
+                    self.sock.send_multipart([identity, *pending[0]], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    self.counters["sends_dropped"] += len(pending)
+                    pending.clear()
+                    break
+                pending.popleft()
+            if not pending:
+                del self.backlog[identity]
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        actors = dict(self.departed)
+        for c in self.clients.values():
+            actors[c.client_id] = {"role": c.role, "alive": True, "loaded_version": c.loaded_version,
+                                   "outstanding": len(c.credits), "silent_s": round(now - c.last_seen, 3)}  # fmt: skip
+        keys = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+                "groups_duplicate", "groups_adopted", "credits_issued", "credits_expired",
+                "credits_returned", "weights_announced", "sends_dropped")  # fmt: skip
+        out: dict[str, Any] = {k: self.counters[k] for k in keys}
+        out.update(
+            credits_outstanding=len(self.credit_owner), policy_version=self.policy_version,
+            stored=len(self.buffer), parked_requests=len(self.parked),
+            errors=dict(self.errors), clients=actors, dataset_epoch=self.prompts.epoch,
+            prompts_reissued=self.prompts.num_reissued,
+            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
+        )  # fmt: skip
+        return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
+    p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
+    p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--bind", default=None, help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0")
+    p.add_argument("--dataset", default=None, help="JSONL prompts (overrides task.dataset)")
+    p.add_argument("--endpoint-file", default=None, help="write the bound endpoint here")
+    p.add_argument("--auth", default=None, metavar="DIR", help="CURVE key dir (overrides replay.auth_dir)")
+    p.add_argument("--allow-insecure", action="store_true", help="allow a non-loopback bind without auth")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(list(argv))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
+    cfg = load_config(args.config, overrides)
+    dataset = args.dataset or cfg.task.dataset
+    if not dataset:
+        raise ValueError("asyncrl replay: give --dataset FILE or set task.dataset")
+    hub = Hub(cfg, dataset, bind=args.bind, allow_insecure=args.allow_insecure)
+    if args.endpoint_file:
+        path = Path(args.endpoint_file)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(hub.endpoint + "\n")
+        os.replace(tmp, path)  # readers never see a half-written endpoint
+    print(f"asyncrl replay: serving on {hub.endpoint}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: hub.stop())
+    signal.signal(signal.SIGINT, lambda *_: hub.stop())
+    hub.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
