@@ -71,7 +71,9 @@ def start_authenticator(ctx: zmq.Context, auth_dir: str | Path) -> ThreadAuthent
     """Run the allow-list authenticator for every CURVE server socket of `ctx`."""
     clients = Path(auth_dir) / CLIENTS_DIR
     if not clients.is_dir():
-        raise ValueError(f"replay.auth_dir: {clients} not found (make keys with `asyncrl keygen DIR`)")
+        raise ValueError(
+            f"replay.auth_dir: {clients} not found (make keys with `asyncrl keygen DIR`)"
+        )
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=str(clients))
@@ -101,5 +103,7 @@ def keygen_main(argv: Sequence[str]) -> int:
     p.add_argument("--clients", type=int, default=1, help="client keypairs to make")
     args = p.parse_args(list(argv))
     root = keygen(args.dir, args.clients)
-    print(f"wrote {root}/server.key(+_secret) and {args.clients} client keypairs in {root}/{CLIENTS_DIR}/")
+    print(
+        f"wrote {root}/server.key(+_secret) and {args.clients} client keypairs in {root}/{CLIENTS_DIR}/"
+    )
     return 0

@@ -62,8 +62,8 @@ from asyncrl.protocol import (
     ProtocolError,
     SampleRequest,
     Version,
-    Welcome,
     WeightsLoaded,
+    Welcome,
     decode,
     encode,
 )
@@ -200,12 +200,17 @@ class HubConnection:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(wake)
         self._thread = threading.Thread(
-            target=self._run, args=(dealer, wake_rx), name=f"hub-io-{self.hello.client_id}", daemon=True
+            target=self._run,
+            args=(dealer, wake_rx),
+            name=f"hub-io-{self.hello.client_id}",
+            daemon=True,
         )
         self._thread.start()
         if not self._welcomed.wait(timeout_s):
             self.close(timeout_s=0.0)
-            raise ConnectionError(f"no Welcome from the hub at {self.endpoint} within {timeout_s} s")
+            raise ConnectionError(
+                f"no Welcome from the hub at {self.endpoint} within {timeout_s} s"
+            )
         if self._start_error is not None:
             self.close(timeout_s=0.0)
             raise self._start_error
@@ -304,7 +309,9 @@ class HubConnection:
                 self._resend_unacked(dealer, None)
             if now >= next_beat:
                 next_beat = now + self.heartbeat_interval_s
-                beat = Heartbeat(client_id=self.hello.client_id, policy_version=self._policy_version)
+                beat = Heartbeat(
+                    client_id=self.hello.client_id, policy_version=self._policy_version
+                )
                 self._send_frames(dealer, encode(beat))
         self._shutdown(dealer, wake_rx)
 
@@ -401,7 +408,9 @@ class HubConnection:
                 self._retired |= self._held
                 self._held.clear()
                 self._resend_after_welcome = list(self._unacked)
-            log.info("%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id)
+            log.info(
+                "%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id
+            )
             self._send_frames(dealer, encode(self.hello))
         return True
 
@@ -415,7 +424,9 @@ class HubConnection:
     def _shutdown(self, dealer: zmq.Socket, wake_rx: zmq.Socket) -> None:
         self._drain_wake(wake_rx)
         if self.welcome is not None:
-            self._blocked.append(encode(Bye(client_id=self.hello.client_id, reason=self._close_reason)))
+            self._blocked.append(
+                encode(Bye(client_id=self.hello.client_id, reason=self._close_reason))
+            )
         while self._blocked and time.monotonic() < self._close_deadline:
             self._flush(dealer)
             if self._blocked:

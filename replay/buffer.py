@@ -8,10 +8,13 @@ whole `Group` (all samples of one prompt). Invariants (pinned by tests/unit/test
   dropped (never handed out), counted, and returned to the caller so its prompt is re-issued.
   The buffer never holds a group that is stale at its current version.
 - Nothing is lost or duplicated: every inserted group ends exactly once as exhausted (sampled
-  `max_times_sampled` times), dropped stale, or still stored. A repeat of a stored (actor_id,
+  `max_times_sampled` times, or evicted after at least one sample), dropped stale, or still
+  stored. A repeat of a stored (actor_id,
   seq) is reported as a duplicate and not stored again.
-- Capacity is a hard limit: an insert into a full buffer is refused (`InsertResult.FULL`),
-  never silently evicting anything.
+- Capacity is a hard limit: an insert into a full buffer retires the oldest group that was
+  already handed out at least once (only possible with reuse, `max_times_sampled` > 1); if every
+  stored group is still unsampled, the insert is refused (`InsertResult.FULL`). A group the
+  learner has not seen is never evicted.
 - `sample` is all-or-nothing: exactly `num_groups` distinct groups, or none (the caller parks
   the request until enough are eligible).
 
@@ -25,6 +28,8 @@ diff + r <= T, with T = `tolerance`. A group that leaves by staleness before its
 its account (counted as sampled r times), so drops cannot wedge the limiter. The constructor
 refuses settings that could deadlock: r > max_times_sampled (diff would grow without bound),
 T < r * n (inserts would stop before one batch is stored), and 2T < n + r (both sides blocked).
+A full buffer ignores the limiter for sampling (it cannot take inserts, so waiting for them
+would wait forever). With those rules, whenever a batch cannot be sampled an insert is allowed.
 """
 
 from __future__ import annotations
@@ -67,7 +72,9 @@ class ReplayBuffer:
         tolerance: float = 64.0,
     ) -> None:
         if capacity < batch_groups:
-            raise ValueError(f"replay.capacity_groups: must hold one batch ({batch_groups}), got {capacity}")
+            raise ValueError(
+                f"replay.capacity_groups: must hold one batch ({batch_groups}), got {capacity}"
+            )
         if sampling not in ("fifo", "freshest"):
             raise ValueError(f"replay.sampling: must be 'fifo' or 'freshest', got {sampling!r}")
         _check_limiter(samples_per_insert, tolerance, batch_groups, max_times_sampled)
@@ -88,6 +95,7 @@ class ReplayBuffer:
         self.num_unsampled = 0  # stored groups never handed out yet
         self.num_dropped_stale = 0
         self.num_duplicates = 0
+        self.num_evicted = 0  # sampled at least once, retired early to make room for an insert
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -107,7 +115,7 @@ class ReplayBuffer:
         if self._is_stale(min_version, self.policy_version):
             self.num_dropped_stale += 1
             return InsertResult.STALE
-        if len(self._entries) >= self.capacity:
+        if len(self._entries) >= self.capacity and not self._evict_one_sampled():
             return InsertResult.FULL
         entry = _Entry(key, group, min_version)
         self._entries[key] = entry
@@ -150,7 +158,9 @@ class ReplayBuffer:
         """Whether `sample(num_groups)` at the current version would return a batch."""
         if len(self._entries) < num_groups:
             return False
-        return self.samples_per_insert <= 0 or self._limiter_diff - num_groups >= -self.tolerance
+        if self.samples_per_insert <= 0 or len(self._entries) >= self.capacity:
+            return True  # a full buffer cannot take inserts: the limiter must not block samples
+        return self._limiter_diff - num_groups >= -self.tolerance
 
     def sample(self, policy_version: int, num_groups: int) -> tuple[list[Group], list[Group]]:
         """(exactly num_groups eligible groups or [], groups dropped as stale on the way)."""
@@ -189,8 +199,19 @@ class ReplayBuffer:
         if not bucket:
             del self._by_version[entry.min_version]
 
+    def _evict_one_sampled(self) -> bool:
+        """Make room by retiring the oldest group the learner has already had (reuse only)."""
+        for entry in self._entries.values():
+            if entry.times_sampled > 0:
+                self._remove(entry)
+                self._settle(entry)
+                self.num_evicted += 1
+                return True
+        return False
+
     def _settle(self, entry: _Entry) -> None:
-        """A group leaving by staleness: count its missing samples so the limiter stays live."""
+        """A group leaving early (stale, evicted): count its missing samples so the limiter
+        stays live."""
         if entry.times_sampled == 0:
             self.num_unsampled -= 1
         self._limiter_diff -= max(0.0, self.samples_per_insert - entry.times_sampled)

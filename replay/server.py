@@ -113,8 +113,14 @@ class Parked:
 class Hub:
     """Replay hub: binds on construction; `serve_forever()` runs the loop until `stop()`."""
 
-    def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
-                 allow_insecure: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dataset_path: str | Path,
+        bind: str | None = None,
+        *,
+        allow_insecure: bool = False,
+    ) -> None:
         self.cfg, rc = cfg, cfg.replay
         self.buffer = ReplayBuffer(
             capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
@@ -127,8 +133,12 @@ class Hub:
         self.incarnation = secrets.randbelow(2**30 - 1) + 1  # high bits of every credit id
         self.credit_serial = 0
         self.ctx = zmq.Context()
-        self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
-        self.sock, self.endpoint = bind_router(self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure)
+        self.authenticator = (
+            auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
+        )
+        self.sock, self.endpoint = bind_router(
+            self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure
+        )
         self.clients: dict[bytes, Client] = {}
         self.credit_owner: dict[int, bytes] = {}
         self.parked: collections.deque[Parked] = collections.deque()
@@ -194,31 +204,47 @@ class Hub:
             msg = decode(frames, self.cfg.replay.max_message_bytes)
             client = self.clients.get(identity)
             if client is None and not isinstance(msg, Hello):
-                raise ProtocolError("client_id", "unknown sender: send Hello first", "not_registered")
+                raise ProtocolError(
+                    "client_id", "unknown sender: send Hello first", "not_registered"
+                )
             if client is not None:
                 client.last_seen = time.monotonic()
                 role = ROLE_OF.get(type(msg))
                 if role is not None and client.role != role:
-                    raise ProtocolError("type", f"{msg.TYPE} is for role {role}, you are {client.role}", "bad_role")
-            self.handlers[type(msg)](identity, client, msg, frames)
+                    raise ProtocolError(
+                        "type", f"{msg.TYPE} is for role {role}, you are {client.role}", "bad_role"
+                    )
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError("type", f"{msg.TYPE} is sent by the hub, not to it")
+            handler(identity, client, msg, frames)
         except ProtocolError as exc:
             self.refuse(identity, exc)
+        except Exception as exc:  # a hub bug must not take the hub down for everyone
+            log.exception("internal error handling a message from %r", identity)
+            self.refuse(identity, ProtocolError("message", f"internal error: {exc!r}", "internal"))
 
     def refuse(self, identity: bytes, exc: ProtocolError) -> None:
         self.errors[exc.code] += 1
         now = time.monotonic()
         if now - self.last_logged.get(identity, -1e9) >= 60.0:
             self.last_logged[identity] = now
-            log.warning("refused a message from %r: %s %s: %s", identity, exc.code, exc.field, exc.detail)
+            log.warning(
+                "refused a message from %r: %s %s: %s", identity, exc.code, exc.field, exc.detail
+            )
         self.send(identity, Error(code=exc.code, field=exc.field, detail=exc.detail))
 
     # --- handlers (identity, client or None for Hello, message, raw frames) ---------------------
 
-    def on_hello(self, identity: bytes, client: Client | None, msg: Hello, frames: list[Any]) -> None:
+    def on_hello(
+        self, identity: bytes, client: Client | None, msg: Hello, frames: list[Any]
+    ) -> None:
         check_hello(msg, self.config_hash)
         if client is not None:  # a new session under the same routing id: the old one is over
             self.drop_client(client, "replaced")
-        self.clients[identity] = Client(identity, msg.client_id, msg.role, msg.concurrency, time.monotonic())
+        self.clients[identity] = Client(
+            identity, msg.client_id, msg.role, msg.concurrency, time.monotonic()
+        )
         self.departed.pop(msg.client_id, None)
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         self.send(identity, Welcome(
@@ -230,17 +256,23 @@ class Hub:
     def on_group(self, identity: bytes, client: Client, g: Group, frames: list[Any]) -> None:
         self.counters["groups_received"] += 1
         if g.actor_id != client.client_id:
-            raise ProtocolError("actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}")
+            raise ProtocolError(
+                "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
+            )
         if g.seq in client.seen:  # a resend of a group already taken: ack again, store once
             self.counters["groups_duplicate"] += 1
             self.send_ack(identity, g)
             return
-        ours = g.credit_id >> 32 == self.incarnation
+        ours = g.credit_id >> 32 in (self.incarnation, 0)  # 0: never a valid incarnation
         if ours and client.credits.get(g.credit_id) is None:
-            raise ProtocolError("credit_id", f"credit {g.credit_id} is not held by this actor", "unknown_credit")
+            raise ProtocolError(
+                "credit_id", f"credit {g.credit_id} is not held by this actor", "unknown_credit"
+            )
         result = self.buffer.insert(g)
         if result is InsertResult.FULL:
-            raise ProtocolError("group", f"replay is full ({self.buffer.capacity} groups)", "capacity")
+            raise ProtocolError(
+                "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
+            )
         if ours:
             del client.credits[g.credit_id]
             del self.credit_owner[g.credit_id]
@@ -253,9 +285,13 @@ class Hub:
         client.remember(g.seq)
         self.send_ack(identity, g)
 
-    def on_sample_request(self, identity: bytes, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
+    def on_sample_request(
+        self, identity: bytes, client: Client, msg: SampleRequest, frames: list[Any]
+    ) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
-            raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")
+            raise ProtocolError(
+                "num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}"
+            )
         self.adopt_version(msg.policy_version)
         self.parked.append(Parked(identity, msg, time.monotonic()))
 
@@ -264,21 +300,29 @@ class Hub:
         actors = sorted(c.client_id for c in self.clients.values() if c.role == "actor")
         self.send(identity, Members(policy_version=self.policy_version, actor_ids=actors))
 
-    def on_weights_announce(self, identity: bytes, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
+    def on_weights_announce(
+        self, identity: bytes, client: Client, msg: WeightsAnnounce, frames: list[Any]
+    ) -> None:
         self.counters["weights_announced"] += 1
         for peer in [c.identity for c in self.clients.values() if c.role == "actor"]:
             self.send_frames(peer, list(frames))  # forwarded unchanged, not re-encoded
 
-    def on_weights_loaded(self, identity: bytes, client: Client, msg: WeightsLoaded, frames: list[Any]) -> None:
+    def on_weights_loaded(
+        self, identity: bytes, client: Client, msg: WeightsLoaded, frames: list[Any]
+    ) -> None:
         client.loaded_version = max(client.loaded_version, msg.policy_version)
 
-    def on_heartbeat(self, identity: bytes, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
+    def on_heartbeat(
+        self, identity: bytes, client: Client, msg: Heartbeat, frames: list[Any]
+    ) -> None:
         if client.role == "learner":  # a hub that restarted learns the version from the beat
             self.adopt_version(msg.policy_version)
         elif client.role == "actor":
             client.loaded_version = max(client.loaded_version, msg.policy_version)
 
-    def on_credit_return(self, identity: bytes, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
+    def on_credit_return(
+        self, identity: bytes, client: Client, msg: CreditReturn, frames: list[Any]
+    ) -> None:
         for credit_id in msg.credit_ids:
             prompt_id = client.credits.pop(credit_id, None)
             if prompt_id is not None:
@@ -286,7 +330,9 @@ class Hub:
                 self.prompts.reissue(prompt_id)
                 self.counters["credits_returned"] += 1
 
-    def on_stats_request(self, identity: bytes, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
+    def on_stats_request(
+        self, identity: bytes, client: Client, msg: StatsRequest, frames: list[Any]
+    ) -> None:
         self.send(identity, Stats(stats=self.stats()))
 
     def on_bye(self, identity: bytes, client: Client, msg: Bye, frames: list[Any]) -> None:
@@ -317,7 +363,13 @@ class Hub:
         self.backlog.pop(client.identity, None)
         self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
                                            "loaded_version": client.loaded_version}  # fmt: skip
-        log.info("%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, len(client.credits))
+        log.info(
+            "%s %s left (%s); %d credits re-issued",
+            client.role,
+            client.client_id,
+            why,
+            len(client.credits),
+        )
 
     def expire_dead_clients(self, now: float) -> None:
         timeout = self.cfg.replay.heartbeat_timeout_s
@@ -326,7 +378,11 @@ class Hub:
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each."""
-        free = {c.identity: c.concurrency - len(c.credits) for c in self.clients.values() if c.role == "actor"}
+        free = {
+            c.identity: c.concurrency - len(c.credits)
+            for c in self.clients.values()
+            if c.role == "actor"
+        }
         if not any(n > 0 for n in free.values()):
             return
         total = credits_available(
@@ -433,15 +489,25 @@ def main(argv: Sequence[str]) -> int:
     """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
     p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
     p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--bind", default=None, help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--bind", default=None, help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0"
+    )
     p.add_argument("--dataset", default=None, help="JSONL prompts (overrides task.dataset)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint here")
-    p.add_argument("--auth", default=None, metavar="DIR", help="CURVE key dir (overrides replay.auth_dir)")
-    p.add_argument("--allow-insecure", action="store_true", help="allow a non-loopback bind without auth")
+    p.add_argument(
+        "--auth", default=None, metavar="DIR", help="CURVE key dir (overrides replay.auth_dir)"
+    )
+    p.add_argument(
+        "--allow-insecure", action="store_true", help="allow a non-loopback bind without auth"
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(list(argv))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
     cfg = load_config(args.config, overrides)
     dataset = args.dataset or cfg.task.dataset

@@ -54,9 +54,7 @@ class TorchEngine:
         self._setup(model, tokenizer, seed)
 
     @classmethod
-    def from_model(
-        cls, model: PreTrainedModel, tokenizer: object, *, seed: int = 0
-    ) -> TorchEngine:
+    def from_model(cls, model: PreTrainedModel, tokenizer: object, *, seed: int = 0) -> TorchEngine:
         """An engine sampling from `model` itself (shared, not copied): in-process training."""
         engine = cls.__new__(cls)
         engine._setup(model, tokenizer, seed)
@@ -140,7 +138,9 @@ class TorchEngine:
         top_ps = torch.tensor([r.top_p for r in requests], device=dev)[row_req]
         row_max = torch.tensor([r.max_new_tokens for r in requests], device=dev)[row_req]
         stop_table = _stop_table(requests, dev)[row_req]
-        seeded = {i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None}
+        seeded = {
+            i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None
+        }
 
         cache = DynamicCache()
         logits, mask = self._prefill(requests, cache)
@@ -165,7 +165,12 @@ class TorchEngine:
                 break
             if not bool(keep.all()):
                 cache.batch_select_indices(keep.nonzero().squeeze(1))
-                active, token, mask, positions = active[keep], token[keep], mask[keep], positions[keep]
+                active, token, mask, positions = (
+                    active[keep],
+                    token[keep],
+                    mask[keep],
+                    positions[keep],
+                )
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             positions = positions + 1
             logits = self._forward(token.unsqueeze(1), mask, positions, cache)

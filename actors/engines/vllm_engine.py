@@ -17,6 +17,13 @@ and samples together. What it relies on in vLLM, and why:
 - KV cache size: on CPU `kv_cache_gib` (vLLM would otherwise reserve most of host memory; an
   explicit `VLLM_CPU_KVCACHE_SPACE` in the environment still wins, as vLLM reads it last); on a
   GPU `gpu_memory_utilization` decides.
+- Temperature: vLLM accepts (0, 2] and samples below 0.01 at 0.01; the logprobs are those of
+  the temperature it actually used.
+
+Running in-process has process-wide effects on CPU: vLLM's CPU worker replaces
+`torch.set_num_threads` with a no-op that logs a warning (so later calls in this process,
+including vLLM's own around each `generate`, change nothing), and it sets a NUMA memory-binding
+policy. An actor process that runs vLLM should leave the thread count to it.
 
 Weight updates go through the worker extension and are followed by `reset_prefix_cache()`:
 KV blocks cached under the old weights would otherwise be reused for prompts sharing a prefix,
@@ -43,7 +50,15 @@ MAX_TEMPERATURE = 2.0
 
 
 class VllmEngine:
-    """Generation with vLLM; weights swapped in place by the worker extension."""
+    """Generation with vLLM; weights swapped in place by the worker extension.
+
+    `model_dir` is a Hugging Face model directory (the tiny model or a real one). `dtype` is the
+    dtype vLLM computes in; `seed` seeds requests that carry no seed of their own.
+    `kv_cache_gib` sizes the KV cache on CPU, `gpu_memory_utilization` the share of GPU memory
+    vLLM takes on a GPU. `block_size` is the KV block size in tokens (None = vLLM's default,
+    128 on CPU): the prefix cache only keeps whole blocks, so short prompts need small blocks to
+    be cached at all.
+    """
 
     def __init__(
         self,
@@ -56,25 +71,12 @@ class VllmEngine:
         enable_prefix_caching: bool = True,
         block_size: int | None = None,
     ) -> None:
-        if not Path(model_dir).is_dir():
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
             raise ValueError(f"model_dir: directory not found: {str(model_dir)!r}")
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        if kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib: must be > 0, got {kv_cache_gib}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        options = _memory_options(kv_cache_gib, gpu_memory_utilization, block_size)
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        options: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
-        if current_platform.is_cpu():
-            options = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
-        if block_size is not None:
-            options["block_size"] = block_size
         start = time.perf_counter()
         self._llm = LLM(
             model=str(model_dir),
@@ -91,6 +93,8 @@ class VllmEngine:
         """Seconds `vllm.LLM` took to start (the `import vllm` before it not included)."""
         self.max_model_len: int = self._llm.llm_engine.model_config.max_model_len
         """Longest prompt + completion vLLM accepts, in tokens."""
+        self._shapes = checkpoint_shapes(model_dir)
+        (self._fused,) = self._llm.collective_rpc("fused_parameter_groups")
         self._policy_version = 0
 
     @property
@@ -102,8 +106,10 @@ class VllmEngine:
         """Sample `request.n` completions per request in one vLLM batch."""
         if not requests:
             return []
-        prompts: list[Any] = [{"prompt_token_ids": self._prompt(r)} for r in requests]
-        params = [self._sampling_params(r) for r in requests]
+        prompts: list[Any] = [
+            {"prompt_token_ids": self._prompt(i, r)} for i, r in enumerate(requests)
+        ]
+        params = [self._sampling_params(i, r) for i, r in enumerate(requests)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         assert len(outputs) == len(requests)
         return [[self._sample(c) for c in out.outputs] for out in outputs]
@@ -113,12 +119,15 @@ class VllmEngine:
     ) -> None:
         """Copy these Hugging Face-named tensors into vLLM's model; then hold `policy_version`.
 
-        All tensors of one update must come in this one call (fused layers such as q/k/v are
-        processed once all their parts have arrived).
+        Any subset of the model's tensors may be sent, except that the parts of a fused layer
+        (q/k/v, gate/up) must come together. All are checked before any is copied.
         """
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not tensors:
             raise ValueError("load_weights: no tensors given")
+        for name, tensor in tensors:
+            self._check_tensor(name, tensor)
+        self._check_fused_parts_together({name for name, _ in tensors})
         (count,) = self._llm.collective_rpc("load_hf_weights", args=(tensors,))
         assert count == len(tensors)
         # Cached KV blocks were computed by the old weights: drop them.
@@ -133,30 +142,58 @@ class VllmEngine:
         llm.llm_engine.engine_core.shutdown()
         del self._llm
 
-    def _prompt(self, request: GenerationRequest) -> list[int]:
+    def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if not self._shapes:  # no safetensors checkpoint to check against
+            return
+        if name not in self._shapes:
+            raise ValueError(f"load_weights: unknown tensor {name!r}")
+        if tuple(tensor.shape) != self._shapes[name]:
+            raise ValueError(
+                f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {self._shapes[name]}"
+            )
+
+    def _check_fused_parts_together(self, names: set[str]) -> None:
+        for name in names:
+            parent, _, rest = name.rpartition(".")  # "...self_attn.q_proj", "weight"
+            path, _, module = parent.rpartition(".")
+            for parts in self._fused.values():
+                if module not in parts:
+                    continue
+                siblings = {f"{path}.{part}.{rest}" for part in parts}
+                if self._shapes:
+                    siblings &= self._shapes.keys()
+                if missing := sorted(siblings - names):
+                    raise ValueError(
+                        f"load_weights: {name!r} is fused with {missing} in vLLM; "
+                        "send the parts of a fused layer together"
+                    )
+
+    def _prompt(self, index: int, request: GenerationRequest) -> list[int]:
         prompt = [int(t) for t in request.prompt_tokens]
         if not prompt:
-            raise ValueError("prompt_tokens: must not be empty")
+            raise ValueError(f"requests[{index}].prompt_tokens: must not be empty")
         if len(prompt) + request.max_new_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt_tokens: {len(prompt)} prompt + {request.max_new_tokens} new tokens "
-                f"exceed the model's max_model_len={self.max_model_len}"
+                f"requests[{index}].prompt_tokens: {len(prompt)} prompt + "
+                f"{request.max_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
             )
         return prompt
 
-    def _sampling_params(self, request: GenerationRequest) -> Any:
+    def _sampling_params(self, index: int, request: GenerationRequest) -> Any:
         from vllm import SamplingParams
 
+        where = f"requests[{index}]"
         if request.n < 1:
-            raise ValueError(f"n: must be >= 1, got {request.n}")
+            raise ValueError(f"{where}.n: must be >= 1, got {request.n}")
         if not 0 < request.temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"temperature: vLLM needs it in (0, {MAX_TEMPERATURE}], got {request.temperature}"
+                f"{where}.temperature: vLLM needs (0, {MAX_TEMPERATURE}], got {request.temperature}"
             )
         if not 0 < request.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {request.top_p}")
+            raise ValueError(f"{where}.top_p: must be in (0, 1], got {request.top_p}")
         if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")
+            raise ValueError(f"{where}.max_new_tokens: must be >= 1, got {request.max_new_tokens}")
         return SamplingParams(
             n=request.n,
             temperature=request.temperature,
@@ -184,3 +221,40 @@ class VllmEngine:
             finish_reason=reason,
             policy_version=self._policy_version,
         )
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                shapes[name] = tuple(checkpoint.get_slice(name).get_shape())
+    # Tied embeddings: checkpoints omit the head, a trainer may still send it.
+    if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
+
+
+def _memory_options(
+    kv_cache_gib: float, gpu_memory_utilization: float, block_size: int | None
+) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for the KV cache; sets the in-process engine switch."""
+    if kv_cache_gib <= 0:
+        raise ValueError(f"kv_cache_gib: must be > 0, got {kv_cache_gib}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
+    # Read when the engine starts: keeps the engine core and its worker in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm.platforms import current_platform
+
+    options: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+    if current_platform.is_cpu():
+        options = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+    if block_size is not None:
+        options["block_size"] = block_size
+    return options

@@ -17,8 +17,10 @@ Two paths, because vLLM's CPU and GPU models differ after startup:
   straight into place (the usual path of RL frameworks on vLLM).
 
 Both take Hugging Face names (`model.layers.0.self_attn.q_proj.weight`) and fuse q/k/v and
-gate/up themselves. On CPU a fused layer is processed once all of its parts have arrived, so
-every part of one layer must come in the same call (`VllmEngine` passes the whole update in one).
+gate/up themselves. On CPU a fused layer is rebuilt from the parts that arrive in one call: a
+part left out is not kept from before but comes back as uninitialised memory. So every part of a
+fused layer must come in the same call; `fused_parameter_groups` tells the caller which parts
+belong together (`VllmEngine` checks this before sending).
 
 The caller resets vLLM's prefix cache afterwards: cached KV blocks were computed by the old
 weights and would otherwise be reused by later prompts that share a prefix.
@@ -35,7 +37,7 @@ class WeightLoaderExtension:
     """Methods vLLM adds to its worker (`self` is then the worker).
 
     vLLM refuses an extension that names anything its worker already has, so this class only
-    adds `load_hf_weights` and reaches the worker's own members through `self`.
+    adds its own methods and reaches the worker's members through `self`.
     """
 
     def load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -50,3 +52,9 @@ class WeightLoaderExtension:
         else:
             worker.model_runner.model.load_weights(weights=named_tensors)
         return len(named_tensors)
+
+    def fused_parameter_groups(self) -> dict[str, list[str]]:
+        """vLLM's fused module -> the Hugging Face modules it packs (e.g. qkv_proj -> q, k, v)."""
+        worker: Any = self
+        packed = getattr(worker.model_runner.get_model(), "packed_modules_mapping", {})
+        return {fused: list(parts) for fused, parts in packed.items()}

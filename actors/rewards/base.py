@@ -43,7 +43,7 @@ def safe_score(
     """`verifier.score(...)`, with every failure mapped to reward 0.0 and a reason; never raises."""
     try:
         result = verifier.score(prompt, completion, info)
-    except Exception as exc:  # noqa: BLE001 - a verifier's bug must not kill the actor
+    except Exception as exc:  # a verifier's bug must not kill the actor
         return RewardResult(0.0, {}, failed=f"verifier raised {type(exc).__name__}: {exc}")
     if not isinstance(result, RewardResult):
         return RewardResult(0.0, {}, failed=f"verifier returned {type(result).__name__}")

@@ -20,6 +20,7 @@ never used again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -55,6 +56,21 @@ class BroadcastGroup(Protocol):
     def close(self) -> None:
         """Release the group; a broken group is parked until its operations finish."""
         ...
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it starts).
+
+    Publisher and receiver threads call this before forming groups, so the transfer and the
+    gloo threads behind it yield the CPU to training and generation when cores are contended.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:  # not permitted: keep the priority we have
+        log.debug("weights: cannot lower thread priority: %s", exc)
 
 
 def store_prefix(epoch: int) -> str:

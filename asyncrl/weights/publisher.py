@@ -44,6 +44,7 @@ from asyncrl.weights.gloo_backend import (
     BroadcastGroup,
     buffer_device,
     check_backend,
+    lower_thread_priority,
     new_unique_id,
     open_group,
 )
@@ -105,6 +106,7 @@ class WeightPublisher:
         store_port: int = 0,
         timeout_s: float = 60.0,
         announce: Callable[[dict[str, Any]], None],
+        nice: int = 10,
     ) -> None:
         check_backend(backend)
         if timeout_s <= 0:
@@ -116,6 +118,7 @@ class WeightPublisher:
         )
         self.store_port: int = self._store.port
         self._announce = announce
+        self._nice = nice
         self._device = buffer_device(backend)
         self._cond = threading.Condition()
         self._queued: _Job | None = None
@@ -215,6 +218,7 @@ class WeightPublisher:
     # -- publisher thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        lower_thread_priority(self._nice)  # the transfer yields the CPU to training
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         while True:

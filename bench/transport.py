@@ -1,0 +1,310 @@
+"""Transport: groups through the real hub vs raw pyzmq PUSH/PULL moving the same bytes.
+
+For groups of about 32 KB, 256 KB and 2 MB, interleaved repetition by repetition so machine
+noise hits every variant alike:
+
+- `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
+               process (`python -m asyncrl replay`); this process samples them as the learner
+               (`SampleRequest` -> `Batch`, two requests in flight) and decodes every batch.
+               Two hops, full validation on both, acks and credits included.
+- `raw`:       a PUSH process sends the same frames (encoded header + three array buffers) to a
+               PULL socket in this process: one hop, no validation. `ratio` = hub / raw.
+- `raw_relay`: the same through a `zmq.proxy` forwarder process: two hops at C speed, the
+               honest floor for any hub (reported as `ratio_vs_relay`).
+
+Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repetition; the
+clock runs in this process from "go" to the last group received. Writes
+bench/results/transport.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from asyncrl.config import load_config
+from asyncrl.protocol import Batch, Credits, Group, SampleRequest, Trajectory, encode
+from asyncrl.transport import HubConnection
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
+SAMPLES, PROMPT_TOKENS = 8, 64
+
+
+def make_group(target_bytes: int) -> Group:
+    """A group of SAMPLES trajectories whose arrays total about `target_bytes`."""
+    length = max(PROMPT_TOKENS + 1, (target_bytes // SAMPLES + 5 * PROMPT_TOKENS) // 9)
+    rng = np.random.default_rng(0)
+    trajs = [
+        Trajectory(
+            tokens=rng.integers(0, 32000, length, dtype=np.int32),
+            prompt_len=PROMPT_TOKENS,
+            loss_mask=np.ones(length - PROMPT_TOKENS, np.uint8),
+            behavior_logprobs=-rng.random(length - PROMPT_TOKENS, dtype=np.float32),
+            reward=1.0,
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason="length",
+        )
+        for _ in range(SAMPLES)
+    ]
+    return Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="bench", seq=0, trajectories=trajs)
+
+
+def overrides_for(group_bytes: int, batch: int) -> list[str]:
+    capacity = max(4 * batch, min(4096, (512 << 20) // group_bytes))
+    return [
+        f"learner.groups_per_step={batch}",
+        "replay.max_staleness=1000000000",
+        f"replay.capacity_groups={capacity}",
+        f"replay.max_message_bytes={max(256 << 20, 4 * batch * group_bytes)}",
+    ]
+
+
+# --- the processes --------------------------------------------------------------------------
+
+
+def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: int, count: int,
+               client_id: str, go: Any, done: Any) -> None:  # fmt: skip
+    """Push `count` groups, one per credit, as fast as credits come."""
+    template = make_group(group_bytes)
+    conn = HubConnection(endpoint, role="actor", client_id=client_id, config_hash=config_hash,
+                         concurrency=concurrency)  # fmt: skip
+    conn.start()
+    go.wait()
+    seq = 0
+    while seq < count:
+        msg = conn.recv(timeout_s=10)
+        assert msg is not None, "no credits for 10 s"
+        if isinstance(msg, Credits):
+            for item in msg.items[: count - seq]:
+                conn.send(dataclasses.replace(template, credit_id=item.credit_id, prompt_id=item.prompt_id,
+                                              actor_id=client_id, seq=seq))  # fmt: skip
+                seq += 1
+    while conn.unacked():
+        time.sleep(0.01)
+    conn.close()
+    done.set()
+
+
+def raw_push_main(endpoint: str, group_bytes: int, count: int, go: Any) -> None:
+    frames = [bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.connect(endpoint)
+    go.wait()
+    for _ in range(count):
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=-1)
+    ctx.term()
+
+
+def relay_main(front: str, back: str) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(front)
+    push.connect(back)
+    zmq.proxy(pull, push)
+
+
+# --- one repetition of each variant ---------------------------------------------------------
+
+
+def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count: int, batch: int,
+            rep: str) -> float:  # fmt: skip
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Event()
+    concurrency = max(2 * batch, min(512, (64 << 20) // group_bytes))
+    proc = ctx.Process(target=actor_main, args=(hub["endpoint"], hub["hash"], group_bytes, concurrency,
+                                                count, f"actor-{rep}", go, done))  # fmt: skip
+    proc.start()
+    time.sleep(1.0)  # let it connect and take its first credits before the clock starts
+    start = time.perf_counter()
+    go.set()
+    received, request_id, in_flight = 0, hub["request_id"], 0
+    while received < count:
+        while in_flight < 2 and received + in_flight * batch < count:
+            request_id += 1
+            learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
+            in_flight += 1
+        msg = learner.recv(timeout_s=30)
+        assert msg is not None, "no batch for 30 s"
+        if isinstance(msg, Batch):
+            received += len(msg.groups)
+            in_flight -= 1
+    elapsed = time.perf_counter() - start
+    hub["request_id"] = request_id
+    proc.join()
+    assert done.is_set()
+    return elapsed
+
+
+def run_raw(group_bytes: int, count: int, relay: bool) -> float:
+    ctx = mp.get_context("spawn")
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 10000)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    target, helper = f"tcp://127.0.0.1:{port}", None
+    if relay:
+        front = zctx.socket(zmq.PULL)  # only to pick a free port for the relay's front
+        front_port = front.bind_to_random_port("tcp://127.0.0.1")
+        front.close(linger=0)
+        helper = ctx.Process(target=relay_main, args=(f"tcp://127.0.0.1:{front_port}", target), daemon=True)
+        helper.start()
+        target = f"tcp://127.0.0.1:{front_port}"
+    go = ctx.Event()
+    sender = ctx.Process(target=raw_push_main_bind if relay else raw_push_main,
+                         args=(target, group_bytes, count, go))  # fmt: skip
+    sender.start()
+    time.sleep(1.0)
+    start = time.perf_counter()
+    go.set()
+    for _ in range(count):
+        pull.recv_multipart(copy=False)
+    elapsed = time.perf_counter() - start
+    sender.join()
+    if helper is not None:
+        helper.kill()
+        helper.join()
+    pull.close(linger=0)
+    zctx.term()
+    return elapsed
+
+
+def raw_push_main_bind(endpoint: str, group_bytes: int, count: int, go: Any) -> None:
+    """The relay connects to both ends, so the sender binds the relay's front."""
+    frames = [bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.bind(endpoint)
+    go.wait()
+    for _ in range(count):
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=-1)
+    ctx.term()
+
+
+# --- setup, report --------------------------------------------------------------------------
+
+
+def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+    dataset = tmp / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000)))
+    endpoint_file = tmp / "endpoint"
+    endpoint_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset), "--endpoint-file",
+           str(endpoint_file), "--log-level", "WARNING"] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    while not endpoint_file.exists():
+        assert proc.poll() is None, "hub exited"
+        time.sleep(0.05)
+    return proc, endpoint_file.read_text().strip()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
+    return {
+        "machine": {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+                    "loadavg_at_start": os.getloadavg()},  # fmt: skip
+        "versions": {"python": platform.python_version(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+                     "msgpack": ".".join(map(str, msgpack.version)), "numpy": np.__version__},  # fmt: skip
+        "commit": commit or None,
+    }
+
+
+def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    group = make_group(group_bytes)
+    actual = group.nbytes
+    count = max(args.min_groups, args.bytes_per_rep // actual)
+    batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
+    count -= count % batch
+    overrides = overrides_for(actual, batch)
+    proc, endpoint = start_hub(tmp, overrides)
+    hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(), "request_id": 0}
+    learner = HubConnection(endpoint, role="learner", client_id="learner", config_hash=hub["hash"])
+    learner.start()
+    times: dict[str, list[float]] = {"hub": [], "raw": [], "raw_relay": []}
+    try:
+        for rep in range(args.reps + 1):  # rep 0 warms up
+            for name in times:
+                if name == "hub":
+                    elapsed = run_hub(hub, learner, actual, count, batch, f"{rep}")
+                else:
+                    elapsed = run_raw(actual, count, relay=name == "raw_relay")
+                if rep:
+                    times[name].append(elapsed)
+                print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
+                      f"{count * actual / elapsed / 1e9:6.2f} GB/s", flush=True)  # fmt: skip
+    finally:
+        learner.close()
+        proc.terminate()
+        proc.wait()
+    gps = {k: [count / t for t in v] for k, v in times.items()}
+    gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
+    ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
+    relay_ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw_relay"], strict=True)]
+    return {
+        "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
+        "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
+        "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
+        "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
+        "hub_groups_per_s_stats": summary(gps["hub"]), "hub_gbps_stats": summary(gbps["hub"]),
+        "raw_gbps_stats": summary(gbps["raw"]), "raw_relay_gbps_stats": summary(gbps["raw_relay"]),
+        "ratio_stats": summary(ratios), "hub_overrides": overrides,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions (after one warm-up)")
+    p.add_argument("--bytes-per-rep", type=int, default=512 << 20, help="bytes moved per repetition")
+    p.add_argument("--min-groups", type=int, default=256, help="at least this many groups per repetition")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
+    args = p.parse_args()
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]
+    out = {
+        "benchmark": "transport",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": {"reps": args.reps, "bytes_per_rep": args.bytes_per_rep, "samples_per_group": SAMPLES,
+                   "prompt_tokens": PROMPT_TOKENS, "transport": "tcp loopback"},  # fmt: skip
+        **environment(),
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for r in results:
+        print(f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
+              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

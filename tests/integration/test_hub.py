@@ -1,0 +1,322 @@
+"""The hub as a real process (`python -m asyncrl replay`) with real client sockets on loopback.
+
+Actors here are threads with their own `HubConnection` that honour credits and push small
+groups; the learner is a `HubConnection` that samples and reports versions. Every process a
+test starts is ended by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.protocol import (
+    Batch,
+    CreditItem,
+    Credits,
+    Group,
+    Members,
+    SampleRequest,
+    Stats,
+    StatsRequest,
+    Trajectory,
+    Version,
+)
+from asyncrl.transport import HubConnection
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0  # generous deadlines for waiting, never asserted as speed
+
+
+class HubProcess:
+    """`asyncrl replay` in a subprocess; `endpoint` is read from its endpoint file."""
+
+    def __init__(
+        self, tmp_path: Path, overrides: list[str], bind: str = "tcp://127.0.0.1:0"
+    ) -> None:
+        self.overrides = overrides
+        self.config_hash = load_config(None, overrides).config_hash()
+        dataset = tmp_path / "prompts.jsonl"
+        if not dataset.exists():
+            rows = [{"prompt_id": f"p{i:04d}", "prompt": f"sort {i}"} for i in range(500)]
+            dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        endpoint_file = tmp_path / f"endpoint-{time.monotonic_ns()}"
+        cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset),
+               "--endpoint-file", str(endpoint_file), "--bind", bind, "--log-level", "WARNING"]  # fmt: skip
+        for item in overrides:
+            cmd += ["--set", item]
+        self.log = (tmp_path / "hub.log").open("ab")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT_S
+        while not endpoint_file.exists():
+            assert self.proc.poll() is None, (
+                f"hub exited early: {(tmp_path / 'hub.log').read_text()}"
+            )
+            assert time.monotonic() < deadline, "hub did not start"
+            time.sleep(0.02)
+        self.endpoint = endpoint_file.read_text().strip()
+
+    def connect(
+        self,
+        role: str,
+        client_id: str,
+        concurrency: int = 0,
+        timeout_s: float = WAIT_S,
+        **kw: object,
+    ) -> HubConnection:
+        conn = HubConnection(self.endpoint, role=role, client_id=client_id, config_hash=self.config_hash,
+                             concurrency=concurrency, heartbeat_interval_s=0.2, **kw)  # fmt: skip
+        conn.start(timeout_s=timeout_s)
+        return conn
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def hubs(tmp_path: Path) -> Iterator[list[HubProcess]]:
+    started: list[HubProcess] = []
+    yield started
+    for hub in started:
+        hub.kill()
+
+
+def make_group(
+    actor_id: str, seq: int, item: CreditItem, policy_version: int, size: int = 2
+) -> Group:
+    completion = 6
+    traj = Trajectory(
+        tokens=np.arange(4 + completion, dtype=np.int32), prompt_len=4,
+        loss_mask=np.ones(completion, np.uint8), behavior_logprobs=np.full(completion, -0.5, np.float32),
+        reward=1.0, min_policy_version=policy_version, max_policy_version=policy_version, finish_reason="stop",
+    )  # fmt: skip
+    return Group.build(group_id=f"{actor_id}/{seq}", prompt_id=item.prompt_id, credit_id=item.credit_id,
+                       actor_id=actor_id, seq=seq, trajectories=[traj] * size)  # fmt: skip
+
+
+class ActorThread(threading.Thread):
+    """Pushes one group per credit, stamped with the version its credits came with."""
+
+    def __init__(self, conn: HubConnection) -> None:
+        super().__init__(daemon=True)
+        self.conn, self.stop, self.pushed, self.credits = conn, threading.Event(), [], []
+        self.hold = threading.Event()  # set: take credits but do not push
+
+    def run(self) -> None:
+        seq = 0
+        while not self.stop.is_set():
+            msg = self.conn.recv(timeout_s=0.05)
+            if not isinstance(msg, Credits):
+                continue
+            self.credits.extend(msg.items)
+            while self.hold.is_set() and not self.stop.is_set():
+                time.sleep(0.01)
+            for item in msg.items:
+                self.conn.send(make_group(self.conn.hello.client_id, seq, item, msg.policy_version))
+                self.pushed.append(f"{self.conn.hello.client_id}/{seq}")
+                seq += 1
+
+
+def sample(learner: HubConnection, request_id: int, policy_version: int, num_groups: int) -> Batch:
+    learner.send(
+        SampleRequest(request_id=request_id, policy_version=policy_version, num_groups=num_groups)
+    )
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        msg = learner.recv(timeout_s=0.1)
+        if isinstance(msg, Batch) and msg.request_id == request_id:
+            return msg
+    raise AssertionError(f"no batch for request {request_id}")
+
+
+def advance(learner: HubConnection, policy_version: int) -> Members:
+    learner.send(Version(policy_version=policy_version))
+    return wait_for(learner, Members)
+
+
+def stats(conn: HubConnection) -> dict:
+    conn.send(StatsRequest())
+    return wait_for(conn, Stats).stats
+
+
+def wait_for(conn: HubConnection, kind: type) -> object:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        msg = conn.recv(timeout_s=0.1)
+        if isinstance(msg, kind):
+            return msg
+    raise AssertionError(f"no {kind.__name__} from the hub")
+
+
+def test_groups_from_several_actors_are_consumed_exactly_once(tmp_path: Path, hubs: list) -> None:
+    hub = HubProcess(tmp_path, ["learner.groups_per_step=20", "replay.max_staleness=2"])
+    hubs.append(hub)
+    actors = [ActorThread(hub.connect("actor", f"actor-{i}", concurrency=8)) for i in range(4)]
+    learner = hub.connect("learner", "learner")
+    for actor in actors:
+        actor.start()
+    consumed: list[str] = []
+    version = 0
+    while len(consumed) < 1000:
+        batch = sample(learner, version, version, 20)
+        assert len(batch.groups) == 20
+        assert all(version - g.min_policy_version <= 2 for g in batch.groups)
+        consumed += [g.group_id for g in batch.groups]
+        version += 1
+        advance(learner, version)
+    for actor in actors:
+        actor.stop.set()
+        actor.join()
+    assert len(consumed) == len(set(consumed)) == 1000
+    pushed = {gid for actor in actors for gid in actor.pushed}
+    assert set(consumed) <= pushed
+    for actor in actors:  # every pushed group was acked: stored once, consumed or dropped
+        deadline = time.monotonic() + WAIT_S
+        while actor.conn.unacked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert actor.conn.unacked() == 0
+    s = stats(learner)
+    assert s["groups_duplicate"] == 0 and s["groups_consumed"] == 1000
+    assert s["groups_stored"] == s["groups_consumed"] + s["groups_dropped_stale"] + s["stored"]
+    assert s["groups_received"] == len(pushed)
+    for conn in [a.conn for a in actors] + [learner]:
+        conn.close()
+
+
+def test_eta_zero_is_synchronous(tmp_path: Path, hubs: list) -> None:
+    hub = HubProcess(tmp_path, ["learner.groups_per_step=4", "replay.max_staleness=0"])
+    hubs.append(hub)
+    actors = [ActorThread(hub.connect("actor", f"actor-{i}", concurrency=8)) for i in range(2)]
+    learner = hub.connect("learner", "learner")
+    for actor in actors:
+        actor.start()
+    for version in range(5):
+        batch = sample(learner, version, version, 4)
+        assert [g.min_policy_version for g in batch.groups] == [version] * 4
+        s = stats(learner)  # one step's groups at a time: nothing more issued until Version
+        assert s["credits_issued"] == 4 * (version + 1)
+        assert s["credits_outstanding"] == 0 and s["stored"] == 0
+        advance(learner, version + 1)
+    assert stats(learner)["groups_dropped_stale"] == 0
+    for actor in actors:
+        actor.stop.set()
+        actor.join()
+        actor.conn.close()
+    learner.close()
+
+
+DEAD_ACTOR = """
+import sys, time
+from asyncrl.protocol import Credits
+from asyncrl.transport import HubConnection
+conn = HubConnection(sys.argv[1], role="actor", client_id="doomed", config_hash=sys.argv[2],
+                     concurrency=4, heartbeat_interval_s=0.2)
+conn.start()
+items = []
+while len(items) < 4:
+    msg = conn.recv(timeout_s=30)
+    if isinstance(msg, Credits):
+        items += msg.items
+print(" ".join(item.prompt_id for item in items), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_dead_actor_credits_are_reissued(tmp_path: Path, hubs: list) -> None:
+    overrides = ["learner.groups_per_step=4", "replay.max_staleness=0",
+                 "replay.heartbeat_interval_s=0.2", "replay.heartbeat_timeout_s=1.0"]  # fmt: skip
+    hub = HubProcess(tmp_path, overrides)
+    hubs.append(hub)
+    doomed = subprocess.Popen([sys.executable, "-c", DEAD_ACTOR, hub.endpoint, hub.config_hash],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        taken = doomed.stdout.readline().split()
+        assert len(taken) == 4  # the whole η = 0 window
+        survivor = ActorThread(hub.connect("actor", "survivor", concurrency=4))
+        survivor.start()
+        os.kill(doomed.pid, signal.SIGKILL)  # dies without Bye: only silence tells the hub
+        doomed.wait()
+        learner = hub.connect("learner", "learner")
+        batch = sample(learner, 0, 0, 4)
+        assert sorted(g.prompt_id for g in batch.groups) == sorted(taken)
+        assert {g.actor_id for g in batch.groups} == {"survivor"}
+        s = stats(learner)
+        assert s["credits_expired"] == 4 and s["clients"]["doomed"]["alive"] is False
+        survivor.stop.set()
+        survivor.join()
+        survivor.conn.close()
+        learner.close()
+    finally:
+        if doomed.poll() is None:
+            os.kill(doomed.pid, signal.SIGKILL)
+            doomed.wait()
+
+
+def test_client_keeps_working_across_a_hub_restart(tmp_path: Path, hubs: list) -> None:
+    overrides = ["learner.groups_per_step=4", "replay.max_staleness=1"]
+    first = HubProcess(tmp_path, overrides)
+    hubs.append(first)
+    actor = ActorThread(first.connect("actor", "actor-0", concurrency=4))
+    learner = first.connect("learner", "learner")
+    actor.start()
+    consumed = [g.group_id for g in sample(learner, 0, 0, 4).groups]
+    advance(learner, 1)
+    actor.hold.set()  # credits of the old hub arrive but their groups are pushed later
+    deadline = time.monotonic() + WAIT_S
+    while actor.conn.credits_held() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.kill(signal.SIGKILL)  # no goodbye: stored groups and credits die with it
+    second = HubProcess(tmp_path, overrides, bind=first.endpoint)
+    hubs.append(second)
+    actor.hold.clear()  # groups for the old hub's credits now go to the new hub
+    for request_id in range(1, 6):
+        batch = sample(learner, request_id, request_id, 4)
+        consumed += [g.group_id for g in batch.groups]
+        advance(learner, request_id + 1)
+    assert len(consumed) == len(set(consumed))
+    s = stats(learner)
+    assert s["policy_version"] == 6  # learned from the learner after the restart
+    assert s["groups_adopted"] >= 1  # groups for the old hub's credits were kept, not lost
+    actor.stop.set()
+    actor.join()
+    actor.conn.close()
+    learner.close()
+
+
+def test_curve_auth_admits_only_allowed_keys(tmp_path: Path, hubs: list) -> None:
+    keys, strangers = tmp_path / "keys", tmp_path / "strangers"
+    for directory in (keys, strangers):
+        subprocess.run([sys.executable, "-m", "asyncrl", "keygen", str(directory), "--clients", "2"],
+                       cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    impostor = tmp_path / "impostor"  # knows the hub's public key, holds a key not on the list
+    (impostor / "clients").mkdir(parents=True)
+    (impostor / "server.key").write_bytes((keys / "server.key").read_bytes())
+    for name in ("client-0.key", "client-0.key_secret"):
+        (impostor / "clients" / name).write_bytes((strangers / "clients" / name).read_bytes())
+    hub = HubProcess(tmp_path, [f"replay.auth_dir={json.dumps(str(keys))}"])
+    hubs.append(hub)
+    allowed = hub.connect("learner", "learner", auth_dir=str(keys))
+    assert stats(allowed)["policy_version"] == 0
+    with pytest.raises(ConnectionError):
+        hub.connect("actor", "impostor", concurrency=4, timeout_s=2.0, auth_dir=str(impostor))
+    s = stats(allowed)
+    assert "impostor" not in s["clients"] and s["credits_issued"] == 0
+    allowed.close()

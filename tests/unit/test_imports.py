@@ -1,0 +1,26 @@
+"""The core and the hub import neither torch nor vllm: a replay node runs on a CPU-only box."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODULES = ["asyncrl.config", "asyncrl.protocol", "asyncrl.transport", "asyncrl.auth", "asyncrl.cli",
+           "replay.buffer", "replay.admission", "replay.prompts", "replay.server"]  # fmt: skip
+
+PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm", "transformers"))
+print(json.dumps(heavy))
+"""
+
+
+def test_core_and_replay_do_not_import_torch_or_vllm() -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE, *MODULES], cwd=REPO, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,0 +1,465 @@
+"""The wire codec: round trips for every message (hypothesis), golden bytes, and rejections that
+name the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.protocol import (
+    _SPECS,
+    FINISH_REASONS,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    Batch,
+    Bye,
+    CreditItem,
+    CreditReturn,
+    Credits,
+    Error,
+    Group,
+    Heartbeat,
+    Hello,
+    Members,
+    ProtocolError,
+    SampleRequest,
+    Stats,
+    StatsRequest,
+    Trajectory,
+    Version,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+    check_hello,
+    decode,
+    encode,
+)
+
+FAST = settings(max_examples=40, deadline=None)
+
+# --- strategies ---------------------------------------------------------------------------------
+
+ints = st.integers(-(2**63), 2**63 - 1)
+texts = st.text(max_size=12)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+plain = st.none() | st.booleans() | ints | floats | texts
+values = st.recursive(
+    plain, lambda c: st.lists(c, max_size=3) | st.dictionaries(texts, c, max_size=3), max_leaves=8
+)
+maps = st.dictionaries(texts, values, max_size=4)
+KIND = {"int": ints, "float": floats, "str": texts, "bool": st.booleans(), "map": maps,
+        "ints": st.lists(ints, max_size=5), "floats": st.lists(floats, max_size=5), "strs": st.lists(texts, max_size=5)}  # fmt: skip
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> Group:
+    n = draw(st.integers(1, 4))
+    prompt_lens = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    completion = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    trajectories = []
+    for plen, clen in zip(prompt_lens, completion, strict=True):
+        lo = draw(st.integers(0, 50))
+        tokens = draw(
+            st.lists(st.integers(0, 2**31 - 1), min_size=plen + clen, max_size=plen + clen)
+        )
+        mask = draw(st.lists(st.integers(0, 1), min_size=clen, max_size=clen))
+        lp = draw(st.lists(st.floats(-50, 0, width=32), min_size=clen, max_size=clen))
+        trajectories.append(Trajectory(
+            tokens=np.array(tokens, np.int32), prompt_len=plen, loss_mask=np.array(mask, np.uint8),
+            behavior_logprobs=np.array(lp, np.float32), reward=draw(floats), min_policy_version=lo,
+            max_policy_version=lo + draw(st.integers(0, 3)), finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+            trajectory_id=draw(texts), reward_failed=draw(texts),
+        ))  # fmt: skip
+    return Group.build(
+        group_id=draw(texts), prompt_id=draw(texts), credit_id=draw(ints), actor_id=draw(texts),
+        seq=draw(ints), trajectories=trajectories, metadata=draw(maps),
+        timings=draw(st.dictionaries(texts, floats, max_size=3)),
+    )  # fmt: skip
+
+
+def builds(cls: type) -> st.SearchStrategy[Any]:
+    if cls is Group:
+        return groups()
+    fields: dict[str, Any] = {}
+    for spec in _SPECS[cls]:
+        if spec.kind == "msgs":
+            fields[spec.name] = st.lists(builds(spec.nested), max_size=2).map(tuple)
+        else:
+            fields[spec.name] = KIND[spec.kind]
+    return st.builds(cls, **fields)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Structural equality that compares arrays by dtype, shape and contents."""
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b)
+        )
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(
+            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return type(a) is type(b) and a == b
+
+
+def wire(msg: Any) -> list[bytes]:
+    """Encode and copy every frame to bytes, as the receiving socket would see it."""
+    return [bytes(memoryview(f)) for f in encode(msg)]
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.TYPE)
+def test_round_trip(cls: type) -> None:
+    @FAST
+    @given(builds(cls))
+    def check(msg: Any) -> None:
+        assert same(decode(wire(msg)), msg)
+        assert same(decode(encode(msg)), msg)  # memoryview frames, as sent
+
+    check()
+
+
+def test_decoded_arrays_are_read_only_views_of_the_frames() -> None:
+    group = GOLDEN_MESSAGES[Group.TYPE]
+    frames = wire(group)
+    out = decode(frames)
+    assert not out.tokens.flags.writeable
+    assert np.shares_memory(out.tokens, np.frombuffer(frames[1], np.uint8))
+
+
+def test_unknown_header_keys_are_ignored_and_optional_fields_default() -> None:
+    header = msgpack.unpackb(wire(Ack(seq=3, credit_id=5))[0])
+    header["added_later"] = [1, 2]
+    del header["credit_id"]
+    assert decode([msgpack.packb(header)]) == Ack(seq=3)
+
+
+@FAST
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+def test_arbitrary_bytes_raise_only_protocol_errors(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+# --- golden bytes (any change here is a wire-format change: bump PROTOCOL_VERSION) -------------
+
+
+def _golden_messages() -> list[Any]:
+    traj = Trajectory(
+        tokens=np.array([5, 6, 7, 8, 9], np.int32),
+        prompt_len=3,
+        loss_mask=np.array([1, 0], np.uint8),
+        behavior_logprobs=np.array([-0.5, 0.0], np.float32),
+        reward=1.0,
+        min_policy_version=2,
+        max_policy_version=3,
+        finish_reason="stop",
+    )
+    group = Group.build(
+        group_id="a/1",
+        prompt_id="p1",
+        credit_id=7,
+        actor_id="a",
+        seq=1,
+        trajectories=[traj],
+        metadata={"env": "sort"},
+        timings={"generate_s": 0.25},
+    )
+    item = CreditItem(credit_id=7, prompt_id="p1", prompt="sort 31", seed=42, info={"digits": "31"})
+    return [
+        Hello(role="actor", client_id="a", protocol_version=1, config_hash="abcd", concurrency=4),
+        Welcome(client_id="a", policy_version=3, heartbeat_interval_s=1.0, max_staleness=4),
+        Credits(group_size=8, policy_version=3, items=(item,)),
+        CreditReturn(credit_ids=[7, 8]),
+        group,
+        Ack(seq=1, credit_id=7),
+        SampleRequest(request_id=9, policy_version=3, num_groups=2),
+        Batch(request_id=9, policy_version=3, groups=(group,), dropped_stale=1, wait_s=0.5),
+        Version(policy_version=4),
+        Members(policy_version=4, actor_ids=["a", "b"]),
+        WeightsAnnounce(
+            policy_version=4, plan_hash="ph", announcement={"store": "tcp://127.0.0.1:1"}
+        ),
+        WeightsLoaded(actor_id="a", policy_version=4),
+        Heartbeat(client_id="a", policy_version=4),
+        StatsRequest(),
+        Stats(stats={"groups_received": 3}),
+        Error(code="bad_message", field="tokens", detail="must be int32"),
+        Bye(client_id="a", reason="done"),
+    ]
+
+
+GOLDEN_MESSAGES = {msg.TYPE: msg for msg in _golden_messages()}
+
+GOLDEN = {
+    "Hello": [
+        (
+            "87a4726f6c65a56163746f72a9636c69656e745f6964a161b070726f746f636f6c5f76657273696f"
+            "6e01ab636f6e6669675f68617368a461626364ab636f6e63757272656e637904a474797065a54865"
+            "6c6c6fa870726f746f636f6c01"
+        ),
+    ],
+    "Welcome": [
+        (
+            "86a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e03b46865617274626561745f"
+            "696e74657276616c5f73cb3ff0000000000000ad6d61785f7374616c656e65737304a474797065a7"
+            "57656c636f6d65a870726f746f636f6c01"
+        ),
+    ],
+    "Credits": [
+        (
+            "85aa67726f75705f73697a6508ae706f6c6963795f76657273696f6e03a56974656d739185a96372"
+            "656469745f696407a970726f6d70745f6964a27031a670726f6d7074a7736f7274203331a4736565"
+            "642aa4696e666f81a6646967697473a23331a474797065a743726564697473a870726f746f636f6c"
+            "01"
+        ),
+    ],
+    "CreditReturn": [
+        ("83aa6372656469745f696473920708a474797065ac43726564697452657475726ea870726f746f636f6c01"),
+    ],
+    "Group": [
+        (
+            "de0014a867726f75705f6964a3612f31a970726f6d70745f6964a27031a96372656469745f696407"
+            "a86163746f725f6964a161a373657101ae7472616a6563746f72795f69647391a5612f312f30a873"
+            "65715f6c656e739105ab70726f6d70745f6c656e739103a77265776172647391cb3ff00000000000"
+            "00b36d696e5f706f6c6963795f76657273696f6e739102b36d61785f706f6c6963795f7665727369"
+            "6f6e739103ae66696e6973685f726561736f6e7391a473746f70ad7265776172645f6661696c6564"
+            "91a0a6746f6b656e7383a56474797065a5696e743332a573686170659105a56672616d6501a96c6f"
+            "73735f6d61736b83a56474797065a575696e7438a573686170659102a56672616d6502b162656861"
+            "76696f725f6c6f6770726f627383a56474797065a7666c6f61743332a573686170659102a5667261"
+            "6d6503a86d6574616461746181a3656e76a4736f7274a774696d696e677381aa67656e6572617465"
+            "5f73cb3fd0000000000000a474797065a547726f7570a870726f746f636f6c01"
+        ),
+        "0500000006000000070000000800000009000000",
+        "0100",
+        "000000bf00000000",
+    ],
+    "Ack": [
+        "84a373657101a96372656469745f696407a474797065a341636ba870726f746f636f6c01",
+    ],
+    "SampleRequest": [
+        (
+            "85aa726571756573745f696409ae706f6c6963795f76657273696f6e03aa6e756d5f67726f757073"
+            "02a474797065ad53616d706c6552657175657374a870726f746f636f6c01"
+        ),
+    ],
+    "Batch": [
+        (
+            "87aa726571756573745f696409ae706f6c6963795f76657273696f6e03a667726f75707391de0012"
+            "a867726f75705f6964a3612f31a970726f6d70745f6964a27031a96372656469745f696407a86163"
+            "746f725f6964a161a373657101ae7472616a6563746f72795f69647391a5612f312f30a87365715f"
+            "6c656e739105ab70726f6d70745f6c656e739103a77265776172647391cb3ff0000000000000b36d"
+            "696e5f706f6c6963795f76657273696f6e739102b36d61785f706f6c6963795f76657273696f6e73"
+            "9103ae66696e6973685f726561736f6e7391a473746f70ad7265776172645f6661696c656491a0a6"
+            "746f6b656e7383a56474797065a5696e743332a573686170659105a56672616d6501a96c6f73735f"
+            "6d61736b83a56474797065a575696e7438a573686170659102a56672616d6502b16265686176696f"
+            "725f6c6f6770726f627383a56474797065a7666c6f61743332a573686170659102a56672616d6503"
+            "a86d6574616461746181a3656e76a4736f7274a774696d696e677381aa67656e65726174655f73cb"
+            "3fd0000000000000ad64726f707065645f7374616c6501a6776169745f73cb3fe0000000000000a4"
+            "74797065a54261746368a870726f746f636f6c01"
+        ),
+        "0500000006000000070000000800000009000000",
+        "0100",
+        "000000bf00000000",
+    ],
+    "Version": [
+        "83ae706f6c6963795f76657273696f6e04a474797065a756657273696f6ea870726f746f636f6c01",
+    ],
+    "Members": [
+        (
+            "84ae706f6c6963795f76657273696f6e04a96163746f725f69647392a161a162a474797065a74d65"
+            "6d62657273a870726f746f636f6c01"
+        ),
+    ],
+    "WeightsAnnounce": [
+        (
+            "85ae706f6c6963795f76657273696f6e04a9706c616e5f68617368a27068ac616e6e6f756e63656d"
+            "656e7481a573746f7265b17463703a2f2f3132372e302e302e313a31a474797065af576569676874"
+            "73416e6e6f756e6365a870726f746f636f6c01"
+        ),
+    ],
+    "WeightsLoaded": [
+        (
+            "84a86163746f725f6964a161ae706f6c6963795f76657273696f6e04a474797065ad576569676874"
+            "734c6f61646564a870726f746f636f6c01"
+        ),
+    ],
+    "Heartbeat": [
+        (
+            "84a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e04a474797065a94865617274"
+            "62656174a870726f746f636f6c01"
+        ),
+    ],
+    "StatsRequest": [
+        "82a474797065ac537461747352657175657374a870726f746f636f6c01",
+    ],
+    "Stats": [
+        (
+            "83a5737461747381af67726f7570735f726563656976656403a474797065a55374617473a870726f"
+            "746f636f6c01"
+        ),
+    ],
+    "Error": [
+        (
+            "85a4636f6465ab6261645f6d657373616765a56669656c64a6746f6b656e73a664657461696cad6d"
+            "75737420626520696e743332a474797065a54572726f72a870726f746f636f6c01"
+        ),
+    ],
+    "Bye": [
+        (
+            "84a9636c69656e745f6964a161a6726561736f6ea4646f6e65a474797065a3427965a870726f746f"
+            "636f6c01"
+        ),
+    ],
+}
+
+
+def test_every_message_type_has_golden_bytes() -> None:
+    assert set(GOLDEN) == set(GOLDEN_MESSAGES) == {cls.TYPE for cls in MESSAGE_TYPES}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_bytes(name: str) -> None:
+    msg = GOLDEN_MESSAGES[name]
+    assert [frame.hex() for frame in wire(msg)] == GOLDEN[name]
+    assert same(decode([bytes.fromhex(h) for h in GOLDEN[name]]), msg)
+
+
+# --- rejections name the field ------------------------------------------------------------------
+
+
+def header(msg: Any) -> dict[str, Any]:
+    return msgpack.unpackb(wire(msg)[0])
+
+
+def edited(msg: Any, **changes: Any) -> list[bytes]:
+    frames = wire(msg)
+    h = msgpack.unpackb(frames[0])
+    h.update(changes)
+    return [msgpack.packb(h), *frames[1:]]
+
+
+def rejected(frames: list[Any], limit: int = 2**30) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, limit)
+    return info.value
+
+
+GROUP = GOLDEN_MESSAGES["Group"]
+
+
+def test_garbage_and_structure() -> None:
+    assert rejected([]).field == "frames"
+    assert rejected([b"\xc1"]).field == "header"
+    assert rejected([msgpack.packb([1])]).field == "header"
+    assert rejected(edited(Version(policy_version=1), type="Nope")).field == "type"
+    err = rejected(edited(Version(policy_version=1), protocol=PROTOCOL_VERSION + 1))
+    assert (err.field, err.code) == ("protocol", "protocol_mismatch")
+    assert rejected([*wire(GROUP), b"x"]).field == "frames"
+    h = header(Version(policy_version=1))
+    del h["policy_version"]
+    assert rejected([msgpack.packb(h)]).field == "policy_version"
+
+
+def test_wrong_scalar_and_list_types() -> None:
+    assert rejected(edited(Version(policy_version=1), policy_version="1")).field == "policy_version"
+    assert (
+        rejected(edited(Version(policy_version=1), policy_version=True)).field == "policy_version"
+    )
+    assert rejected(edited(GROUP, rewards=["a"])).field == "rewards"
+    assert rejected(edited(GROUP, seq_lens=5)).field == "seq_lens"
+    assert rejected(edited(GROUP, metadata=[1])).field == "metadata"
+    item = header(GOLDEN_MESSAGES["Credits"])["items"][0]
+    assert (
+        rejected(edited(GOLDEN_MESSAGES["Credits"], items=[{**item, "credit_id": "7"}])).field
+        == "items[0].credit_id"
+    )
+
+
+def test_truncated_frames() -> None:
+    frames = wire(GROUP)
+    err = rejected([*frames[:-1], frames[-1][:-1]])
+    assert (err.field, err.code) == ("behavior_logprobs", "truncated")
+    assert rejected(frames[:-1]).field == "behavior_logprobs"
+    batch = wire(GOLDEN_MESSAGES["Batch"])
+    assert rejected([*batch[:-1], batch[-1][:-2]]).field == "groups[0].behavior_logprobs"
+
+
+def test_wrong_dtype_and_shape() -> None:
+    ref = header(GROUP)["tokens"]
+    assert rejected(edited(GROUP, tokens={**ref, "dtype": "int64"})).field == "tokens"
+    assert rejected(edited(GROUP, tokens={**ref, "shape": [1, 5]})).field == "tokens"
+    assert rejected(edited(GROUP, tokens={**ref, "shape": [-5]})).field == "tokens"
+    assert rejected(edited(GROUP, tokens={**ref, "frame": 9})).field == "tokens"
+    assert rejected(edited(GROUP, loss_mask={**ref, "dtype": "uint8"})).field == "loss_mask"
+    assert rejected(edited(GROUP, tokens=[1, 2])).field == "tokens"
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.5])
+def test_non_finite_or_positive_logprobs(bad: float) -> None:
+    frames = wire(GROUP)
+    lp = np.frombuffer(frames[3], np.float32).copy()
+    lp[0] = bad
+    assert rejected([*frames[:3], lp.tobytes()]).field == "behavior_logprobs"
+
+
+def test_non_finite_scalars() -> None:
+    assert rejected(edited(GROUP, rewards=[math.nan])).field == "rewards"
+    assert rejected(edited(GROUP, timings={"t": math.inf})).field == "timings"
+    welcome = GOLDEN_MESSAGES["Welcome"]
+    assert rejected(edited(welcome, heartbeat_interval_s=math.nan)).field == "heartbeat_interval_s"
+
+
+def test_group_consistency() -> None:
+    assert rejected(edited(GROUP, prompt_lens=[9])).field == "prompt_lens"
+    assert rejected(edited(GROUP, rewards=[1.0, 2.0])).field == "rewards"
+    assert rejected(edited(GROUP, seq_lens=[4])).field == "tokens"
+    assert rejected(edited(GROUP, finish_reasons=["bored"])).field == "finish_reasons"
+    assert rejected(edited(GROUP, min_policy_versions=[9])).field == "min_policy_versions"
+    frames = wire(GROUP)
+    assert rejected([*frames[:2], b"\x02\x00", frames[3]]).field == "loss_mask"
+    assert (
+        rejected([frames[0], np.array([-1, 0, 0, 0, 0], np.int32).tobytes(), *frames[2:]]).field
+        == "tokens"
+    )
+
+
+def test_oversized() -> None:
+    frames = wire(GROUP)
+    size = sum(map(len, frames))
+    err = rejected(frames, limit=size - 1)
+    assert (err.field, err.code) == ("message", "too_large")
+    assert same(decode(frames, size), GROUP)
+
+
+def test_check_hello() -> None:
+    hello = GOLDEN_MESSAGES["Hello"]
+    check_hello(hello, "abcd")
+    with pytest.raises(ProtocolError, match="config_hash") as info:
+        check_hello(hello, "other")
+    assert info.value.code == "config_mismatch"
+    old = dataclasses.replace(hello, protocol_version=PROTOCOL_VERSION + 1)
+    with pytest.raises(ProtocolError) as info:
+        check_hello(old, "abcd")
+    assert (info.value.field, info.value.code) == ("protocol_version", "protocol_mismatch")
+    with pytest.raises(ProtocolError, match="role"):
+        check_hello(dataclasses.replace(hello, role="boss"), "abcd")
