@@ -90,7 +90,15 @@ class Actor:
         self.track_digest = False
         self.weights_digest = ""  # of the last weights swapped in (when track_digest)
         if receiver is not None:
-            conn.on(WeightsAnnounce, lambda msg: receiver.on_announce(msg.announcement))
+            conn.on(WeightsAnnounce, self.on_announce)
+
+    def on_announce(self, msg: WeightsAnnounce) -> None:
+        """On the I/O thread: hand the rendezvous to the receiver (a bad one is reported)."""
+        assert self.receiver is not None
+        try:
+            self.receiver.on_announce(msg.announcement)
+        except ValueError as exc:
+            print(f"[{self.actor_id}] refused weights v{msg.policy_version}: {exc}", flush=True)
 
     # --- the main loop ------------------------------------------------------------------------
 
@@ -282,14 +290,16 @@ def main(argv: Sequence[str]) -> int:
 
     from actors.rewards.sort_verifier import make_verifier
     from asyncrl.tiny_model import ensure_model
-    from asyncrl.weights.bucket_plan import BucketPlan, params_from_model_dir
+    from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
     from asyncrl.weights.receiver import WeightReceiver
 
     model_dir = ensure_model(cfg.model, cfg.task)
     seed = cfg.run.seed + 1000 * (args.index + 1)
     engine = build_engine(cfg, model_dir, seed)
-    plan = BucketPlan.from_params(params_from_model_dir(model_dir), cfg.weights.bucket_bytes)
-    receiver = WeightReceiver(plan, args.actor_id, cfg.weights.timeout_s)
+    plan = BucketPlan.from_params(params_from_safetensors(model_dir), cfg.weights.bucket_bytes)
+    receiver = WeightReceiver(
+        plan, args.actor_id, timeout_s=cfg.weights.timeout_s, backend=cfg.weights.backend
+    )
     conn = HubConnection(
         args.hub,
         role="actor",

@@ -204,7 +204,7 @@ class ActorConfig:
     max_new_tokens: int = 8
     """Completion length limit in tokens."""
     temperature: float = 1.0
-    """Sampling temperature (> 0); logprobs are under this distribution."""
+    """Sampling temperature in (0, 2] (vLLM's range); logprobs are under this distribution."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; logprobs are under the truncated distribution."""
     vllm_kv_cache_gib: float = 1.0
@@ -216,7 +216,9 @@ class ActorConfig:
         _check(
             self.max_new_tokens >= 1, "actor.max_new_tokens", "must be >= 1", self.max_new_tokens
         )
-        _check(self.temperature > 0, "actor.temperature", "must be > 0", self.temperature)
+        _check(
+            0 < self.temperature <= 2, "actor.temperature", "must be in (0, 2]", self.temperature
+        )
         _check(0 < self.top_p <= 1, "actor.top_p", "must be in (0, 1]", self.top_p)
 
 

@@ -457,6 +457,29 @@ _BY_NAME: dict[str, type] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What encoding changes in a message's field dict (everything else goes out as is)."""
+
+    floats: tuple[str, ...]
+    arrays: tuple[tuple[str, str], ...]  # (name, dtype)
+    msgs: tuple[str, ...]
+
+
+def _plan_of(cls: type) -> _Plan:
+    specs = _SPECS[cls]
+    arrays = tuple((s.name, s.dtype) for s in specs if s.kind == "array")
+    msgs = tuple(s.name for s in specs if s.kind == "msgs")
+    # frames are numbered in field order; no message mixes array and nested-message fields,
+    # so handling arrays before nested messages keeps that order
+    assert not (arrays and msgs), f"{cls.__name__}: arrays and nested messages together"
+    assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: decode bypasses __init__"
+    return _Plan(tuple(s.name for s in specs if s.kind == "float"), arrays, msgs)
+
+
+_PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in _SPECS}
+
+
 def encode(msg: Message) -> list[Any]:
     """Message -> frames: [msgpack header, raw array buffers...]. Arrays are not copied."""
     frames: list[Any] = [b""]
@@ -468,19 +491,16 @@ def encode(msg: Message) -> list[Any]:
 
 
 def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for spec in _SPECS[type(obj)]:
-        value = getattr(obj, spec.name)
-        if spec.kind == "array":
-            arr = np.ascontiguousarray(value, dtype=spec.dtype)
-            out[spec.name] = {"dtype": spec.dtype, "shape": list(arr.shape), "frame": len(frames)}
-            frames.append(arr.data if arr.size else b"")
-        elif spec.kind == "msgs":
-            out[spec.name] = [_encode_obj(item, frames) for item in value]
-        elif spec.kind == "float":
-            out[spec.name] = float(value)
-        else:
-            out[spec.name] = value
+    out = dict(obj.__dict__)  # the fields, in declaration order
+    plan = _PLANS[type(obj)]
+    for name in plan.floats:
+        out[name] = float(out[name])
+    for name, dtype in plan.arrays:
+        arr = np.ascontiguousarray(out[name], dtype=dtype)
+        out[name] = {"dtype": dtype, "shape": list(arr.shape), "frame": len(frames)}
+        frames.append(arr.data if arr.size else b"")
+    for name in plan.msgs:
+        out[name] = [_encode_obj(item, frames) for item in out[name]]
     return out
 
 
@@ -488,12 +508,40 @@ def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
 # Decoding
 # --------------------------------------------------------------------------------------------
 
+# field kinds as small ints, compared in the hot loop of _decode_obj
+_K_INT, _K_FLOAT, _K_STR, _K_BOOL, _K_MAP, _K_INTS, _K_FLOATS, _K_STRS, _K_ARRAY, _K_MSGS = range(
+    10
+)
+_KIND_CODE = {"int": _K_INT, "float": _K_FLOAT, "str": _K_STR, "bool": _K_BOOL, "map": _K_MAP,
+              "ints": _K_INTS, "floats": _K_FLOATS, "strs": _K_STRS, "array": _K_ARRAY,
+              "msgs": _K_MSGS}  # fmt: skip
+_TYPE_WORD = {_K_INT: "an integer", _K_STR: "a string", _K_BOOL: "a boolean", _K_MAP: "a map"}
+_EXACT_TYPE = {_K_INT: int, _K_STR: str, _K_BOOL: bool, _K_MAP: dict}
+
+
+def _fields_of(cls: type) -> tuple[tuple[Any, ...], ...]:
+    out = []
+    for s in _SPECS[cls]:
+        factory = callable(s.default) and not s.required
+        itemsize = np.dtype(s.dtype).itemsize if s.dtype else 0
+        out.append((s.name, _KIND_CODE[s.kind], s.required, factory, s.default, s.dtype, s.ndim,
+                    s.nested, itemsize))  # fmt: skip
+    return tuple(out)
+
+
+_FIELDS: dict[type, tuple[tuple[Any, ...], ...]] = {cls: _fields_of(cls) for cls in _SPECS}
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    return memoryview(frame if buf is None else buf)
+
 
 def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Frames -> message, validating everything. Raises `ProtocolError` naming the field."""
     if not frames:
         raise ProtocolError("frames", "empty message")
-    bufs = [memoryview(f.buffer) if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    bufs = [_buffer(f) for f in frames]
     total = sum(b.nbytes for b in bufs)
     if total > max_message_bytes:
         raise ProtocolError(
@@ -503,19 +551,19 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError("header", f"not a msgpack map ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError("header", f"must be a map, got {type(header).__name__}")
     protocol = header.get("protocol")
-    if protocol != PROTOCOL_VERSION:
+    if type(protocol) is not int or protocol != PROTOCOL_VERSION:
         raise ProtocolError(
             "protocol", f"version {protocol!r} is not {PROTOCOL_VERSION}", "protocol_mismatch"
         )
     name = header.get("type")
-    cls = _BY_NAME.get(name) if isinstance(name, str) else None
+    cls = _BY_NAME.get(name) if type(name) is str else None
     if cls is None:
         raise ProtocolError("type", f"unknown message type {name!r}")
     used: set[int] = set()
-    msg = _decode_obj(cls, header, bufs, used, prefix="")
+    msg = _decode_obj(cls, header, bufs, used, "")
     if len(used) != len(bufs) - 1:
         raise ProtocolError("frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced")
     return msg
@@ -525,64 +573,64 @@ def _decode_obj(
     cls: type, data: dict[str, Any], bufs: list[memoryview], used: set[int], prefix: str
 ) -> Any:
     kwargs: dict[str, Any] = {}
-    for spec in _SPECS[cls]:
-        path = prefix + spec.name
-        if spec.name not in data:
-            if spec.required:
-                raise ProtocolError(path, "missing")
+    for name, kind, required, factory, default, dtype, ndim, nested, itemsize in _FIELDS[cls]:
+        if name not in data:
+            if required:
+                raise ProtocolError(prefix + name, "missing")
+            kwargs[name] = default() if factory else default
             continue
-        kwargs[spec.name] = _decode_value(spec, data[spec.name], bufs, used, path)
+        value = data[name]
+        if kind <= _K_MAP:
+            if kind == _K_FLOAT:
+                value = _decode_float(value, prefix + name)
+            elif type(value) is not _EXACT_TYPE[kind]:
+                word = _TYPE_WORD[kind]
+                raise ProtocolError(prefix + name, f"must be {word}, got {type(value).__name__}")
+        elif kind <= _K_STRS:
+            value = _decode_list(kind, value, prefix + name)
+        elif kind == _K_ARRAY:
+            value = _decode_array(dtype, ndim, itemsize, value, bufs, used, prefix + name)
+        else:
+            value = _decode_msgs(nested, value, bufs, used, prefix + name)
+        kwargs[name] = value
     if cls is Group:
         _check_group(kwargs, prefix)
-    return cls(**kwargs)
+    obj = object.__new__(cls)  # a frozen dataclass: fill its fields without 18 setattr calls
+    obj.__dict__.update(kwargs)
+    return obj
 
 
-def _decode_value(
-    spec: _Spec, value: Any, bufs: list[memoryview], used: set[int], path: str
-) -> Any:
-    kind = spec.kind
-    if kind == "int":
-        if type(value) is not int:
-            raise ProtocolError(path, f"must be an integer, got {type(value).__name__}")
-    elif kind == "float":
-        if type(value) not in (int, float):
-            raise ProtocolError(path, f"must be a number, got {type(value).__name__}")
+def _decode_float(value: Any, path: str) -> float:
+    if type(value) is float:
         if not math.isfinite(value):
             raise ProtocolError(path, f"must be finite, got {value}")
-        value = float(value)
-    elif kind == "str":
-        if type(value) is not str:
-            raise ProtocolError(path, f"must be a string, got {type(value).__name__}")
-    elif kind == "bool":
-        if type(value) is not bool:
-            raise ProtocolError(path, f"must be a boolean, got {type(value).__name__}")
-    elif kind == "map":
-        if type(value) is not dict:
-            raise ProtocolError(path, f"must be a map, got {type(value).__name__}")
-    elif kind in ("ints", "floats", "strs"):
-        value = _decode_list(kind, value, path)
-    elif kind == "array":
-        value = _decode_array(spec, value, bufs, used, path)
-    else:  # msgs
-        if type(value) is not list:
-            raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
-        items = []
-        for i, item in enumerate(value):
-            if type(item) is not dict:
-                raise ProtocolError(f"{path}[{i}]", "must be a map")
-            items.append(_decode_obj(spec.nested, item, bufs, used, f"{path}[{i}]."))
-        value = tuple(items)
-    return value
+        return value
+    if type(value) is int:
+        return float(value)
+    raise ProtocolError(path, f"must be a number, got {type(value).__name__}")
 
 
-def _decode_list(kind: str, value: Any, path: str) -> list[Any]:
+def _decode_msgs(
+    nested: type, value: Any, bufs: list[memoryview], used: set[int], path: str
+) -> tuple:
+    if type(value) is not list:
+        raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
+    items = []
+    for i, item in enumerate(value):
+        if type(item) is not dict:
+            raise ProtocolError(f"{path}[{i}]", "must be a map")
+        items.append(_decode_obj(nested, item, bufs, used, f"{path}[{i}]."))
+    return tuple(items)
+
+
+def _decode_list(kind: int, value: Any, path: str) -> list[Any]:
     if type(value) is not list:
         raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
     kinds = set(map(type, value))
-    if kind == "ints":
+    if kind == _K_INTS:
         if not kinds <= _INT:
             raise ProtocolError(path, "must hold integers only")
-    elif kind == "strs":
+    elif kind == _K_STRS:
         if not kinds <= _STR:
             raise ProtocolError(path, "must hold strings only")
     else:
@@ -596,83 +644,83 @@ def _decode_list(kind: str, value: Any, path: str) -> list[Any]:
 
 
 _INT, _STR, _NUM = {int}, {str}, {int, float}
+_REF_KEYS = {"dtype", "shape", "frame"}
 
 
-def _decode_array(
-    spec: _Spec, ref: Any, bufs: list[memoryview], used: set[int], path: str
-) -> np.ndarray:
-    if type(ref) is not dict or set(ref) != {"dtype", "shape", "frame"}:
+def _decode_array(dtype: str, ndim: int, itemsize: int, ref: Any, bufs: list[memoryview],
+                  used: set[int], path: str) -> np.ndarray:  # fmt: skip
+    if type(ref) is not dict or ref.keys() != _REF_KEYS:
         raise ProtocolError(path, "must be an array reference {dtype, shape, frame}")
-    dtype, shape, index = ref["dtype"], ref["shape"], ref["frame"]
-    if dtype != spec.dtype:
-        raise ProtocolError(path, f"dtype must be {spec.dtype}, got {dtype!r}")
+    shape, index = ref["shape"], ref["frame"]
+    if ref["dtype"] != dtype:
+        raise ProtocolError(path, f"dtype must be {dtype}, got {ref['dtype']!r}")
     if (
         type(shape) is not list
-        or len(shape) != spec.ndim
+        or len(shape) != ndim
         or not all(type(d) is int and d >= 0 for d in shape)
     ):
-        raise ProtocolError(path, f"shape must be {spec.ndim} non-negative integers, got {shape!r}")
+        raise ProtocolError(path, f"shape must be {ndim} non-negative integers, got {shape!r}")
     if type(index) is not int or not 1 <= index < len(bufs) or index in used:
         raise ProtocolError(path, f"frame index {index!r} is invalid or reused")
     used.add(index)
     buf = bufs[index]
-    itemsize = np.dtype(dtype).itemsize
     expected = math.prod(shape) * itemsize
     if buf.nbytes != expected:
         raise ProtocolError(
             path, f"frame holds {buf.nbytes} bytes, shape {shape} needs {expected}", "truncated"
         )
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(buf, dtype=dtype)
+    return arr if ndim == 1 else arr.reshape(shape)
+
+
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_GROUP_LISTS = ("trajectory_ids", "prompt_lens", "rewards", "min_policy_versions",
+                "max_policy_versions", "finish_reasons", "reward_failed")  # fmt: skip
 
 
 def _check_group(g: dict[str, Any], prefix: str) -> None:
     """Cross-field consistency of a group: lengths, masks, finite logprobs, versions."""
-    n = len(g["seq_lens"])
+    seq_lens = g["seq_lens"]
+    n = len(seq_lens)
     if n == 0:
         raise ProtocolError(prefix + "seq_lens", "a group needs at least one trajectory")
-    for name in (
-        "trajectory_ids",
-        "prompt_lens",
-        "rewards",
-        "min_policy_versions",
-        "max_policy_versions",
-        "finish_reasons",
-        "reward_failed",
-    ):
+    for name in _GROUP_LISTS:
         if len(g[name]) != n:
             raise ProtocolError(prefix + name, f"has {len(g[name])} entries for {n} trajectories")
-    seq_lens, prompt_lens = g["seq_lens"], g["prompt_lens"]
+    prompt_lens = g["prompt_lens"]
     if min(prompt_lens) < 0 or any(map(int.__lt__, seq_lens, prompt_lens)):
         raise ProtocolError(prefix + "prompt_lens", "each must be in [0, seq_len]")
-    if g["tokens"].shape[0] != sum(seq_lens):
+    tokens, mask, lp = g["tokens"], g["loss_mask"], g["behavior_logprobs"]
+    num_tokens = sum(seq_lens)
+    if tokens.shape[0] != num_tokens:
         raise ProtocolError(
-            prefix + "tokens",
-            f"holds {g['tokens'].shape[0]} tokens, seq_lens sum to {sum(seq_lens)}",
+            prefix + "tokens", f"holds {tokens.shape[0]} tokens, seq_lens sum to {num_tokens}"
         )
-    num_completion = sum(seq_lens) - sum(prompt_lens)
-    for name in ("loss_mask", "behavior_logprobs"):
-        if g[name].shape[0] != num_completion:
+    num_completion = num_tokens - sum(prompt_lens)
+    for name, arr in (("loss_mask", mask), ("behavior_logprobs", lp)):
+        if arr.shape[0] != num_completion:
             raise ProtocolError(
                 prefix + name,
-                f"holds {g[name].shape[0]} entries for {num_completion} completion tokens",
+                f"holds {arr.shape[0]} entries for {num_completion} completion tokens",
             )
-    if g["tokens"].size and int(g["tokens"].min()) < 0:
+    # ufunc.reduce directly: ndarray.min/max add a Python-level wrapper per call
+    if num_tokens and _MIN(tokens) < 0:
         raise ProtocolError(prefix + "tokens", "token ids must be >= 0")
-    if g["loss_mask"].size and int(g["loss_mask"].max()) > 1:
-        raise ProtocolError(prefix + "loss_mask", "must hold 0 or 1")
-    lp = g["behavior_logprobs"]
-    # NaN propagates into max (and fails the comparison); -inf shows up in min
-    if lp.size and not (float(lp.max()) <= _LOGPROB_SLACK and math.isfinite(float(lp.min()))):
-        raise ProtocolError(prefix + "behavior_logprobs", "must be finite and <= 0")
+    if num_completion:
+        if _MAX(mask) > 1:
+            raise ProtocolError(prefix + "loss_mask", "must hold 0 or 1")
+        # NaN propagates into max (and fails the comparison); -inf shows up in min
+        if not (_MAX(lp) <= _LOGPROB_SLACK and _MIN(lp) > -math.inf):
+            raise ProtocolError(prefix + "behavior_logprobs", "must be finite and <= 0")
     lo, hi = g["min_policy_versions"], g["max_policy_versions"]
     if min(lo) < 0 or any(map(int.__gt__, lo, hi)):
         raise ProtocolError(prefix + "min_policy_versions", "need 0 <= min <= max per trajectory")
-    if not set(g["finish_reasons"]) <= _FINISH:
+    if not _FINISH.issuperset(g["finish_reasons"]):
         bad = sorted(set(g["finish_reasons"]) - _FINISH)[0]
         raise ProtocolError(
             prefix + "finish_reasons", f"{bad!r} is not one of {list(FINISH_REASONS)}"
         )
-    timings = g.get("timings", {})
+    timings = g["timings"]
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(math.isfinite, timings.values()))
     ):

@@ -73,6 +73,31 @@ LINGER_MS = 1000
 _wake_ids = itertools.count()
 
 
+# plain ints: pyzmq's flag enums cost an enum construction per `|` on the per-message path
+NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+
+def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
+    """`send_multipart(parts, copy=False)` without its per-call overhead (large parts zero-copy).
+
+    Raises zmq.Again (NOBLOCK, pipe full) only on the first part: ZeroMQ queues the rest of a
+    multipart message once its first part is accepted.
+    """
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, flags | SNDMORE if i < last else flags, copy=False)
+
+
+def recv_parts(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """`recv_multipart(copy=False)` reading `Frame.more` instead of a getsockopt per part."""
+    frame = sock.recv(flags, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = sock.recv(0, copy=False)  # the rest of a multipart message is already here
+        parts.append(frame)
+    return parts
+
+
 def is_local_endpoint(endpoint: str) -> bool:
     """True for ipc://, inproc:// and tcp:// on a loopback address."""
     scheme, _, rest = endpoint.partition("://")
@@ -318,7 +343,7 @@ class HubConnection:
     def _drain_wake(self, wake_rx: zmq.Socket) -> None:
         while True:
             try:
-                wake_rx.recv(zmq.NOBLOCK)
+                wake_rx.recv(NOBLOCK)
             except zmq.Again:
                 break
         with self._lock:
@@ -329,7 +354,7 @@ class HubConnection:
     def _flush(self, dealer: zmq.Socket) -> None:
         while self._blocked:
             try:
-                dealer.send_multipart(self._blocked[0], flags=zmq.NOBLOCK, copy=False)
+                send_parts(dealer, self._blocked[0], NOBLOCK)
             except zmq.Again:
                 return
             self._blocked.popleft()
@@ -341,7 +366,7 @@ class HubConnection:
     def _receive(self, dealer: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so sends and heartbeats are not starved
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_parts(dealer, NOBLOCK)
             except zmq.Again:
                 return
             try:

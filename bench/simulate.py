@@ -57,8 +57,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--group-size", type=int, default=None)
     pre.add_argument("--groups-per-step", type=int, default=None)
     pre.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    pre.add_argument("--steps", type=int, default=40, help="learner steps per simulation")
-    pre.add_argument("--warmup", type=int, default=10, help="steps left out of the measurement")
+    pre.add_argument("--measure", type=int, default=20, help="measured learner steps per run")
+    pre.add_argument("--warmup", type=int, default=None,
+                     help="steps before the measurement (default η + 4: the pipeline fills)")  # fmt: skip
     pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
     pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a ClusterAssumptions field")  # fmt: skip
@@ -82,7 +83,7 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
     return ClusterAssumptions(**values)
 
 
-def sim_config(a: ClusterAssumptions, eta: int, steps: int, warmup: int, seed: int) -> SimConfig:
+def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int) -> SimConfig:
     derived_plan = a.bucket_plan()
     num_params = derived_plan.total_bytes // a.dtype_bytes
     return SimConfig(
@@ -91,7 +92,7 @@ def sim_config(a: ClusterAssumptions, eta: int, steps: int, warmup: int, seed: i
         group_size=a.group_size,
         groups_per_step=a.groups_per_step,
         max_staleness=eta,
-        num_steps=steps,
+        num_steps=warmup + measure,
         warmup_steps=warmup,
         seed=seed,
         lengths=a.lengths(),
@@ -106,10 +107,11 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for eta in args.eta:
         runs, start = [], time.perf_counter()
+        warmup = eta + 4 if args.warmup is None else args.warmup
         for seed in range(args.repeats):
-            runs.append(simulate(sim_config(a, eta, args.steps, args.warmup, seed)).to_dict())
+            runs.append(simulate(sim_config(a, eta, args.measure, warmup, seed)).to_dict())
         wall = time.perf_counter() - start
-        rows.append(_summary(eta, runs, wall))
+        rows.append(_summary(eta, runs, wall) | {"warmup_steps": warmup})
         m = rows[-1]["metrics"]
         print(f"η={eta}: {m['samples_per_s']['median']:.0f} samples/s, learner idle "
               f"{m['learner_idle_fraction']['median']:.2f}, actor idle "
@@ -219,7 +221,7 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
                  ylabel="share of groups")  # fmt: skip
     ax[1, 0].legend()
     med, err = series("groups_dropped_stale")
-    steps = np.array([result["config"]["steps"] - result["config"]["warmup"]] * len(rows))
+    steps = np.array([result["config"]["measure"]] * len(rows))
     ax[1, 1].bar(x, med / steps, yerr=err / steps, color="tab:orange", capsize=3)
     ax[1, 1].set(title="groups dropped as stale per step", xlabel="η")
     for axis in (ax[0, 0], ax[1, 1]):

@@ -79,13 +79,15 @@ def overrides_for(group_bytes: int, batch: int) -> list[str]:
 
 
 def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: int, count: int,
-               client_id: str, go: Any, done: Any) -> None:  # fmt: skip
+               client_id: str, ready: Any, go: Any, cpu: Any) -> None:  # fmt: skip
     """Push `count` groups, one per credit, as fast as credits come."""
     template = make_group(group_bytes)
     conn = HubConnection(endpoint, role="actor", client_id=client_id, config_hash=config_hash,
                          concurrency=concurrency)  # fmt: skip
     conn.start()
+    ready.set()
     go.wait()
+    cpu_start = time.process_time()
     seq = 0
     while seq < count:
         msg = conn.recv(timeout_s=10)
@@ -96,21 +98,26 @@ def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: i
                                               actor_id=client_id, seq=seq))  # fmt: skip
                 seq += 1
     while conn.unacked():
-        time.sleep(0.01)
+        time.sleep(0.001)
+    cpu.put(time.process_time() - cpu_start)
     conn.close()
-    done.set()
 
 
-def raw_push_main(endpoint: str, group_bytes: int, count: int, go: Any) -> None:
+def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any,
+                  cpu: Any) -> None:  # fmt: skip
+    """Send the frames of `count` groups (same header bytes and arrays the hub path moves)."""
     frames = [bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 10000)
-    sock.connect(endpoint)
+    sock.bind(endpoint) if bind else sock.connect(endpoint)
+    ready.set()
     go.wait()
+    cpu_start = time.process_time()
     for _ in range(count):
         sock.send_multipart(frames, copy=False)
     sock.close(linger=-1)
+    cpu.put(time.process_time() - cpu_start)
     ctx.term()
 
 
@@ -122,18 +129,26 @@ def relay_main(front: str, back: str) -> None:
     zmq.proxy(pull, push)
 
 
-# --- one repetition of each variant ---------------------------------------------------------
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
 
 
 def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count: int, batch: int,
-            rep: str) -> float:  # fmt: skip
+            rep: str) -> tuple[float, float]:  # fmt: skip
     ctx = mp.get_context("spawn")
-    go, done = ctx.Event(), ctx.Event()
+    ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
     concurrency = max(2 * batch, min(512, (64 << 20) // group_bytes))
     proc = ctx.Process(target=actor_main, args=(hub["endpoint"], hub["hash"], group_bytes, concurrency,
-                                                count, f"actor-{rep}", go, done))  # fmt: skip
+                                                count, f"actor-{rep}", ready, go, cpu))  # fmt: skip
     proc.start()
-    time.sleep(1.0)  # let it connect and take its first credits before the clock starts
+    assert ready.wait(120), "actor did not start"
+    time.sleep(0.2)  # its first credits arrive before the clock starts
+    hub_cpu, own_cpu = proc_cpu_s(hub["pid"]), time.process_time()
     start = time.perf_counter()
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
@@ -142,19 +157,19 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
-        msg = learner.recv(timeout_s=30)
-        assert msg is not None, "no batch for 30 s"
+        msg = learner.recv(timeout_s=60)
+        assert msg is not None, "no batch for 60 s"
         if isinstance(msg, Batch):
             received += len(msg.groups)
             in_flight -= 1
     elapsed = time.perf_counter() - start
+    cpu_s = proc_cpu_s(hub["pid"]) - hub_cpu + time.process_time() - own_cpu + cpu.get(timeout=120)
     hub["request_id"] = request_id
     proc.join()
-    assert done.is_set()
-    return elapsed
+    return elapsed, cpu_s
 
 
-def run_raw(group_bytes: int, count: int, relay: bool) -> float:
+def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
@@ -162,43 +177,33 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> float:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     target, helper = f"tcp://127.0.0.1:{port}", None
     if relay:
-        front = zctx.socket(zmq.PULL)  # only to pick a free port for the relay's front
-        front_port = front.bind_to_random_port("tcp://127.0.0.1")
-        front.close(linger=0)
-        helper = ctx.Process(target=relay_main, args=(f"tcp://127.0.0.1:{front_port}", target), daemon=True)
+        probe = zctx.socket(zmq.PULL)  # only to pick a free port for the relay's front
+        front = f"tcp://127.0.0.1:{probe.bind_to_random_port('tcp://127.0.0.1')}"
+        probe.close(linger=0)
+        helper = ctx.Process(target=relay_main, args=(front, target), daemon=True)
         helper.start()
-        target = f"tcp://127.0.0.1:{front_port}"
-    go = ctx.Event()
-    sender = ctx.Process(target=raw_push_main_bind if relay else raw_push_main,
-                         args=(target, group_bytes, count, go))  # fmt: skip
+        target = front
+    ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
+    sender = ctx.Process(target=raw_push_main, args=(target, group_bytes, count, relay, ready, go, cpu))
     sender.start()
-    time.sleep(1.0)
+    assert ready.wait(120), "sender did not start"
+    time.sleep(0.2)
+    relay_cpu = proc_cpu_s(helper.pid) if helper else 0.0
+    own_cpu = time.process_time()
     start = time.perf_counter()
     go.set()
     for _ in range(count):
         pull.recv_multipart(copy=False)
     elapsed = time.perf_counter() - start
-    sender.join()
+    cpu_s = time.process_time() - own_cpu + cpu.get(timeout=120)
     if helper is not None:
+        cpu_s += proc_cpu_s(helper.pid) - relay_cpu
         helper.kill()
         helper.join()
+    sender.join()
     pull.close(linger=0)
     zctx.term()
-    return elapsed
-
-
-def raw_push_main_bind(endpoint: str, group_bytes: int, count: int, go: Any) -> None:
-    """The relay connects to both ends, so the sender binds the relay's front."""
-    frames = [bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 10000)
-    sock.bind(endpoint)
-    go.wait()
-    for _ in range(count):
-        sock.send_multipart(frames, copy=False)
-    sock.close(linger=-1)
-    ctx.term()
+    return elapsed, cpu_s
 
 
 # --- setup, report --------------------------------------------------------------------------
@@ -246,21 +251,25 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     count -= count % batch
     overrides = overrides_for(actual, batch)
     proc, endpoint = start_hub(tmp, overrides)
-    hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(), "request_id": 0}
+    hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(), "request_id": 0,
+           "pid": proc.pid}  # fmt: skip
     learner = HubConnection(endpoint, role="learner", client_id="learner", config_hash=hub["hash"])
     learner.start()
     times: dict[str, list[float]] = {"hub": [], "raw": [], "raw_relay": []}
+    cpus: dict[str, list[float]] = {name: [] for name in times}
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
                 if name == "hub":
-                    elapsed = run_hub(hub, learner, actual, count, batch, f"{rep}")
+                    elapsed, cpu_s = run_hub(hub, learner, actual, count, batch, f"{rep}")
                 else:
-                    elapsed = run_raw(actual, count, relay=name == "raw_relay")
+                    elapsed, cpu_s = run_raw(actual, count, relay=name == "raw_relay")
                 if rep:
                     times[name].append(elapsed)
+                    cpus[name].append(cpu_s / count * 1e6)
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
-                      f"{count * actual / elapsed / 1e9:6.2f} GB/s", flush=True)  # fmt: skip
+                      f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group",
+                      flush=True)  # fmt: skip
     finally:
         learner.close()
         proc.terminate()
@@ -277,6 +286,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "hub_groups_per_s_stats": summary(gps["hub"]), "hub_gbps_stats": summary(gbps["hub"]),
         "raw_gbps_stats": summary(gbps["raw"]), "raw_relay_gbps_stats": summary(gbps["raw_relay"]),
         "ratio_stats": summary(ratios), "hub_overrides": overrides,
+        "cpu_us_per_group": {name: summary(v) for name, v in cpus.items()},
     }  # fmt: skip
 
 

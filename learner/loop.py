@@ -216,9 +216,8 @@ class Learner:
         completion_tokens = sum(int(g.loss_mask.sum()) for g in groups)
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.time() - self.start_time
-        pub = self.publisher.last_result or {}
+        pub = self.publisher.last_result
         return {
-            "step": self.step,
             "policy_version": self.policy_version,
             "time_s": elapsed,
             "reward_mean": sum(rewards) / len(rewards),
@@ -233,8 +232,9 @@ class Learner:
             "wait_data_s": wait_s,
             "step_s": step_s,
             "dropped_stale": batch.dropped_stale,
-            "weight_sync_s": float(pub.get("seconds", 0.0)),
-            "weight_sync_failures": int(pub.get("failures", 0)),
+            "weight_sync_s": pub.form_s + pub.broadcast_s if pub else 0.0,
+            "weight_snapshot_s": pub.snapshot_s if pub else 0.0,
+            "weight_sync_failures": self.publisher.stats.num_failed,
             "num_actors": len(self.members),
             **{k: v for k, v in loss_stats.items() if k != "num_tokens"},
         }
@@ -261,10 +261,10 @@ class Learner:
     def finish(self, wait_actors_s: float) -> dict[str, Any]:
         """Final checkpoint, final weights to every actor, and a summary for the run directory."""
         self.checkpoint()
-        self.publisher.wait(timeout_s=self.cfg.weights.timeout_s)
+        self.publisher.wait(timeout=self.cfg.weights.timeout_s)
         if self.policy_version % self.cfg.learner.publish_every:
             self.publish()
-            self.publisher.wait(timeout_s=self.cfg.weights.timeout_s)
+            self.publisher.wait(timeout=self.cfg.weights.timeout_s)
         loaded = self.wait_actors_loaded(wait_actors_s)
         return {
             "policy_version": self.policy_version,

@@ -71,7 +71,7 @@ from asyncrl.protocol import (
     decode,
     encode,
 )
-from asyncrl.transport import bind_router
+from asyncrl.transport import NOBLOCK, bind_router, recv_parts, send_parts
 from replay.admission import allocate, credits_available
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import PromptSource, load_dataset
@@ -167,9 +167,11 @@ class Hub:
     def serve_forever(self) -> None:
         """Receive, handle, flush, expire, grant, serve: until `stop()`."""
         tick_ms = int(min(self.cfg.replay.heartbeat_interval_s, 1.0) * 500)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
         try:
             while self.running:
-                self.sock.poll(tick_ms, zmq.POLLIN)  # wait for messages or the next tick
+                poller.poll(tick_ms)  # wait for messages or the next tick
                 self.receive_all()  # handle each waiting message (bounded)
                 self.flush_backlog()  # peers whose pipes were full
                 self.expire_dead_clients(time.monotonic())
@@ -193,7 +195,7 @@ class Hub:
     def receive_all(self, limit: int = 2000) -> None:
         for _ in range(limit):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_parts(self.sock, NOBLOCK)
             except zmq.Again:
                 return
             self.handle(frames[0].bytes, frames[1:])
@@ -440,7 +442,7 @@ class Hub:
             pending.append(frames)
             return
         try:
-            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            send_parts(self.sock, [identity, *frames], NOBLOCK)
         except zmq.Again:
             self.backlog.setdefault(identity, collections.deque()).append(frames)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
@@ -452,7 +454,7 @@ class Hub:
             pending = self.backlog[identity]
             while pending:
                 try:
-                    self.sock.send_multipart([identity, *pending[0]], flags=zmq.NOBLOCK, copy=False)
+                    send_parts(self.sock, [identity, *pending[0]], NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError:

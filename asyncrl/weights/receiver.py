@@ -7,7 +7,7 @@
    plan_hash checked here         later one replaced                   got = poll()
                                 new (store, epoch)? join the group     if got: load(got)
                                 receive buckets straight into a
-                                fresh buffer set, two in flight;
+                                free buffer set, two in flight;
                                 a newer group announced meanwhile
                                 interrupts the wait
                                 ready = (policy_version, buffers) --> newest ready one;
@@ -17,7 +17,11 @@
 
 Announcements arrive in the learner's order; every one whose group is still current is
 received in turn (the learner broadcasts each one it announced). Buckets land directly in the
-buffers that `poll()`'s named tensors view, so unpacking copies nothing. A wrong `plan_hash`
+buffers that `poll()`'s named tensors view, so unpacking copies nothing. Those buffers are
+reused: the tensors of one `poll()` stay valid until the next `poll()` that returns weights,
+so the actor copies them into its engine (`load_weights` does) before polling again. At most
+three buffer sets exist (receiving, ready, handed out), and none is allocated in the steady
+state (fresh sets cost page faults, on a busy CPU as much as the transfer). A wrong `plan_hash`
 is refused in `on_announce` (`ValueError` naming both hashes) and nothing is joined or loaded.
 A failed or timed-out receive drops the group and waits for the next announcement.
 """
@@ -89,6 +93,7 @@ class WeightReceiver:
         self._queue: deque[dict[str, Any]] = deque()
         self._ready: tuple[int, list[torch.Tensor]] | None = None
         self._spare: list[list[torch.Tensor]] = []
+        self._handed_out: list[torch.Tensor] | None = None
         self._closed = False
         self._stats = ReceiverStats()
         self.last_error = ""
@@ -115,11 +120,18 @@ class WeightReceiver:
             self._cond.notify_all()
 
     def poll(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The newest fully received (policy_version, named tensors), once; None if nothing new."""
+        """The newest fully received (policy_version, named tensors), once; None if nothing new.
+
+        The tensors are views into receive buffers: valid until the next `poll()` that returns
+        weights, which recycles them. Copy them (into the engine) before polling again.
+        """
         with self._cond:
             ready, self._ready = self._ready, None
-        if ready is None:
-            return None
+            if ready is None:
+                return None
+            if self._handed_out is not None:
+                self._spare.append(self._handed_out)
+            self._handed_out = ready[1]
         return ready[0], unpack(self.plan, ready[1])
 
     def wait_ready(self, timeout: float | None = None) -> bool:

@@ -43,7 +43,7 @@ class SimHub:
         group_size: int,
         capacity: int,
         sampling: Literal["fifo", "freshest"] = "fifo",
-        num_prompts: int = 100_000,
+        num_prompts: int = 16384,
         seed: int = 0,
     ) -> None:
         self.max_staleness = max_staleness
@@ -118,6 +118,7 @@ class SimHub:
         granted: dict[str, list[tuple[int, str]]] = {}
         for actor_id, n in admission.allocate(total, self.free.candidates(total)).items():
             granted[actor_id] = [self._new_credit(actor_id) for _ in range(n)]
+            self.free.add(actor_id, -n)
         return granted
 
     def serve(self) -> list[Group] | None:
@@ -138,7 +139,6 @@ class SimHub:
         self.credit_serial += 1
         self.credits[actor_id][self.credit_serial] = prompt.prompt_id
         self.in_flight += 1
-        self.free.add(actor_id, -1)
         return self.credit_serial, prompt.prompt_id
 
     def _dropped(self, groups: list[Group]) -> None:

@@ -213,24 +213,25 @@ class Simulation:
         credits, actor.held = actor.held, []
         actor.busy, actor.version = True, self.weights.available
         n = len(credits) * self.cfg.group_size
-        lengths = self.lengths.take(n).reshape(len(credits), -1)
+        lengths = self.lengths.take(n)
         seconds = self.cfg.generation.seconds(lengths, self.cfg.lengths.prompt_tokens)
         self.track.actor_started(+1)
         self.at(self.now + seconds, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
         self.track.generation(seconds, n)
 
-    def actor_done(self, arg: tuple[_Actor, list[tuple[int, str]], np.ndarray]) -> None:
+    def actor_done(self, arg: tuple[_Actor, list[tuple[int, str]], list[int]]) -> None:
         """Push one group per credit, stamped with the version the batch started with."""
         actor, credits, lengths = arg
-        prompt_tokens = self.cfg.lengths.prompt_tokens * self.cfg.group_size
-        totals = (lengths.sum(axis=1) + prompt_tokens).tolist()
-        for credit, tokens in zip(credits, totals, strict=True):
+        size = self.cfg.group_size
+        prompt_tokens = self.cfg.lengths.prompt_tokens * size
+        for i, credit in enumerate(credits):
             group = self.hub.make_group(actor.actor_id, actor.seq, credit, actor.version)
+            tokens = sum(lengths[i * size : (i + 1) * size]) + prompt_tokens
             self.group_tokens[(actor.actor_id, actor.seq)] = tokens
             actor.seq += 1
             self.hub.on_group(group)
         self.track.actor_started(-1)
-        self.track.generated(lengths.size)
+        self.track.generated(len(lengths))
         actor.busy = False
         self.wake(actor)
         self.hub_tick()
@@ -301,13 +302,13 @@ class _LengthPool:
 
     def __init__(self, model: LengthModel, rng: np.random.Generator, chunk: int = 1 << 16) -> None:
         self.model, self.rng, self.chunk = model, rng, chunk
-        self.pool = model.sample(rng, chunk)
+        self.pool: list[int] = model.sample(rng, chunk).tolist()
         self.cursor = 0
 
-    def take(self, n: int) -> np.ndarray:
-        if self.cursor + n > self.pool.shape[0]:
-            fresh = self.model.sample(self.rng, max(self.chunk, n))
-            self.pool = np.concatenate([self.pool[self.cursor :], fresh])
+    def take(self, n: int) -> list[int]:
+        if self.cursor + n > len(self.pool):
+            fresh = self.model.sample(self.rng, max(self.chunk, n)).tolist()
+            self.pool = self.pool[self.cursor :] + fresh
             self.cursor = 0
         out = self.pool[self.cursor : self.cursor + n]
         self.cursor += n

@@ -20,6 +20,7 @@ measured runs and `cluster.py` can derive them from hardware figures.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,13 +80,13 @@ class GenerationTime:
         if min(self.fixed_s, self.step_s, self.token_s, self.prefill_token_s) < 0:
             raise ValueError(f"generation: every coefficient must be >= 0, got {self}")
 
-    def seconds(self, lengths: np.ndarray, prompt_tokens: int) -> float:
+    def seconds(self, lengths: Sequence[int], prompt_tokens: int) -> float:
         """Time of a batch with these completion lengths (one prompt per sequence)."""
         return (
             self.fixed_s
-            + self.step_s * float(lengths.max())
-            + self.token_s * float(lengths.sum())
-            + self.prefill_token_s * float(prompt_tokens * lengths.shape[0])
+            + self.step_s * max(lengths)
+            + self.token_s * sum(lengths)
+            + self.prefill_token_s * (prompt_tokens * len(lengths))
         )
 
 
