@@ -15,8 +15,10 @@ bench/results/simulate_world512.png (named after --world). Both record the comma
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -63,6 +65,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
     pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a ClusterAssumptions field")  # fmt: skip
+    pre.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                     help="simulations run in parallel processes")  # fmt: skip
+    pre.add_argument("--what-if-wait-for-weights", action="store_true",
+                     help="also simulate actors that wait for weights no older than c - η")  # fmt: skip
     pre.add_argument("--png", default=None, help="plot path (default simulate_world<L>.png)")
     return p.parse_args(list(argv))
 
@@ -83,9 +89,11 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
     return ClusterAssumptions(**values)
 
 
-def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int) -> SimConfig:
-    derived_plan = a.bucket_plan()
-    num_params = derived_plan.total_bytes // a.dtype_bytes
+def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int,
+               wait_for_weights: bool = False) -> SimConfig:  # fmt: skip
+    """The simulation of one η under the assumptions."""
+    plan = a.bucket_plan()
+    num_params = plan.total_bytes // a.dtype_bytes
     return SimConfig(
         num_actors=a.num_actors,
         concurrency=a.concurrency,
@@ -95,33 +103,52 @@ def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed:
         num_steps=warmup + measure,
         warmup_steps=warmup,
         seed=seed,
+        wait_for_weights=wait_for_weights,
         lengths=a.lengths(),
         generation=a.generation(num_params),
         learner=a.learner(num_params),
-        sync=a.sync(derived_plan),
+        sync=a.sync(plan),
     )
 
 
+def _run_one(job: tuple[ClusterAssumptions, int, int, int, int, bool]) -> dict[str, Any]:
+    start = time.process_time()
+    result = simulate(sim_config(*job)).to_dict()
+    return result | {"cpu_s": time.process_time() - start}
+
+
 def predict(args: argparse.Namespace) -> dict[str, Any]:
+    """Every η (and the what-if, when asked) over `repeats` seeds, on `jobs` processes."""
     a = assumptions_from(args)
-    rows = []
-    for eta in args.eta:
-        runs, start = [], time.perf_counter()
-        warmup = eta + 4 if args.warmup is None else args.warmup
-        for seed in range(args.repeats):
-            runs.append(simulate(sim_config(a, eta, args.measure, warmup, seed)).to_dict())
-        wall = time.perf_counter() - start
-        rows.append(_summary(eta, runs, wall) | {"warmup_steps": warmup})
-        m = rows[-1]["metrics"]
-        print(f"η={eta}: {m['samples_per_s']['median']:.0f} samples/s, learner idle "
-              f"{m['learner_idle_fraction']['median']:.2f}, actor idle "
-              f"{m['actor_idle_fraction']['median']:.2f}, mean staleness "
-              f"{m['mean_staleness']['median']:.2f}, dropped {m['groups_dropped_stale']['median']:.0f}"
-              f" ({wall:.1f} s)", flush=True)  # fmt: skip
-    return {"assumptions": dataclasses.asdict(a), "derived": a.derived(), "predictions": rows}
+    variants = [False, True] if args.what_if_wait_for_weights else [False]
+    warmups = {eta: eta + 4 if args.warmup is None else args.warmup for eta in args.eta}
+    jobs = [(a, eta, args.measure, warmups[eta], seed, wait)
+            for wait in variants for eta in args.eta for seed in range(args.repeats)]  # fmt: skip
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(_run_one, jobs))
+    out: dict[str, Any] = {"assumptions": dataclasses.asdict(a), "derived": a.derived()}
+    for wait in variants:
+        rows = []
+        for eta in args.eta:
+            runs = [r for job, r in zip(jobs, results, strict=True) if job[1] == eta and job[5] == wait]
+            rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta]})
+            _print_row(rows[-1], "what-if wait_for_weights: " if wait else "")
+        out["what_if_wait_for_weights" if wait else "predictions"] = rows
+    out["simulation_wall_s"] = time.perf_counter() - start
+    print(f"simulated {len(jobs)} runs in {out['simulation_wall_s']:.1f} s on {args.jobs} processes")
+    return out
 
 
-def _summary(eta: int, runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+def _print_row(row: dict[str, Any], prefix: str) -> None:
+    m = {k: v["median"] for k, v in row["metrics"].items()}
+    print(f"{prefix}η={row['max_staleness']}: {m['samples_per_s']:.0f} samples/s, learner idle "
+          f"{m['learner_idle_fraction']:.2f}, actor idle {m['actor_idle_fraction']:.2f}, "
+          f"mean staleness {m['mean_staleness']:.2f}, dropped {m['groups_dropped_stale']:.0f}, "
+          f"{row['cpu_s']:.1f} s cpu", flush=True)  # fmt: skip
+
+
+def _summary(eta: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     metrics = {}
     for key in METRICS:
         values = [float(r[key]) for r in runs]
@@ -133,7 +160,7 @@ def _summary(eta: int, runs: list[dict[str, Any]], wall_s: float) -> dict[str, A
         "staleness_histogram": [int(x) for x in hist],
         "sync_s": runs[0]["sync_s"],
         "window_s": [r["window_s"] for r in runs],
-        "simulation_wall_s": wall_s,
+        "cpu_s": sum(r["cpu_s"] for r in runs),
     }
 
 
@@ -204,7 +231,11 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     a = result["assumptions"]
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
     med, err = series("samples_per_s")
-    ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3)
+    ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3, label="asyncrl actors")
+    if "what_if_wait_for_weights" in result:
+        what_if = [r["metrics"]["samples_per_s"]["median"] for r in result["what_if_wait_for_weights"]]
+        ax[0, 0].plot(x, what_if, "k--o", label="what-if: actors wait for weights")
+        ax[0, 0].legend()
     ax[0, 0].set(title="learner throughput", ylabel="samples / s", xlabel="η (max_staleness)")
     for key, color in (("learner_idle_fraction", "tab:red"), ("actor_idle_fraction", "tab:green")):
         med, err = series(key)

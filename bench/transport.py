@@ -163,7 +163,10 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
             received += len(msg.groups)
             in_flight -= 1
     elapsed = time.perf_counter() - start
-    cpu_s = proc_cpu_s(hub["pid"]) - hub_cpu + time.process_time() - own_cpu + cpu.get(timeout=120)
+    parts = {"hub": proc_cpu_s(hub["pid"]) - hub_cpu, "learner": time.process_time() - own_cpu,
+             "actor": cpu.get(timeout=120)}  # fmt: skip
+    hub.setdefault("cpu_parts", []).append({k: v / count * 1e6 for k, v in parts.items()})
+    cpu_s = sum(parts.values())
     hub["request_id"] = request_id
     proc.join()
     return elapsed, cpu_s
@@ -267,9 +270,10 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                 if rep:
                     times[name].append(elapsed)
                     cpus[name].append(cpu_s / count * 1e6)
+                parts = hub["cpu_parts"][-1] if name == "hub" else {}
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
-                      f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group",
-                      flush=True)  # fmt: skip
+                      f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
+                      + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
     finally:
         learner.close()
         proc.terminate()
@@ -287,6 +291,9 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "raw_gbps_stats": summary(gbps["raw"]), "raw_relay_gbps_stats": summary(gbps["raw_relay"]),
         "ratio_stats": summary(ratios), "hub_overrides": overrides,
         "cpu_us_per_group": {name: summary(v) for name, v in cpus.items()},
+        "hub_cpu_us_per_group_by_process": {
+            k: summary([p[k] for p in hub["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
+        },
     }  # fmt: skip
 
 

@@ -246,7 +246,6 @@ def measure(args: Any, plan: BucketPlan, params: dict, raw_pg: Any, group: GlooG
         )
         if rep >= args.warmup:
             times["publish"].append(time.perf_counter() - t0)
-        print("DEBUG", publisher.last_result)
         print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v))
 
     step, n = calibrate_step(args.step_s)
@@ -338,6 +337,7 @@ def environment() -> dict[str, Any]:
         },
         "commit": commit.stdout.strip() or None,
         "torch_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
     }
 
 

@@ -171,13 +171,17 @@ class GlooGroup:
                 self._pending.append(self._pg.broadcast([buf.view(torch.uint8)], opts).get_future())
                 nbytes += buf.numel() * buf.element_size()
                 if len(self._pending) == WINDOW:
-                    wait_future(self._pending.popleft(), self.timeout_s, interrupted)
+                    self._wait_oldest(interrupted)
             while self._pending:
-                wait_future(self._pending.popleft(), self.timeout_s, interrupted)
+                self._wait_oldest(interrupted)
         except BroadcastError:
             self._broken = True
             raise
         return nbytes
+
+    def _wait_oldest(self, interrupted: Callable[[], bool] | None) -> None:
+        wait_future(self._pending[0], self.timeout_s, interrupted)
+        self._pending.popleft()  # only once done: `close` parks whatever is still pending
 
     def close(self) -> None:
         """Release the group; a broken one is parked until its operations finish."""

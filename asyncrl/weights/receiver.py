@@ -68,6 +68,25 @@ class ReceiverStats:
     """Announcements not received because a later one replaced their group."""
 
 
+def _check_types(ann: Mapping[str, Any]) -> None:
+    """Raise `ValueError` naming the first field of the wrong type or range."""
+    for key in ("policy_version", "epoch", "store_port", "world_size"):
+        if not isinstance(ann[key], int) or isinstance(ann[key], bool) or ann[key] < 0:
+            raise ValueError(f"weights announcement: {key} must be an int >= 0, got {ann[key]!r}")
+    for key in ("plan_hash", "backend", "store_host"):
+        if not isinstance(ann[key], str):
+            raise ValueError(f"weights announcement: {key} must be a string, got {ann[key]!r}")
+    ranks = ann["ranks"]
+    if not isinstance(ranks, Mapping) or sorted(ranks.values()) != list(
+        range(1, ann["world_size"])
+    ):
+        raise ValueError(
+            f"weights announcement: ranks must map actors to 1..world_size-1, got {ranks!r}"
+        )
+    if ann["nccl_unique_id"] is not None and not isinstance(ann["nccl_unique_id"], bytes):
+        raise ValueError("weights announcement: nccl_unique_id must be bytes or None")
+
+
 def _group_key(ann: Mapping[str, Any]) -> tuple[str, int, int]:
     return (ann["store_host"], ann["store_port"], ann["epoch"])
 
@@ -162,6 +181,7 @@ class WeightReceiver:
         if missing:
             raise ValueError(f"weights announcement: missing fields {missing}")
         ann = dict(announcement)
+        _check_types(ann)
         if ann["plan_hash"] != self.plan.plan_hash:
             raise ValueError(
                 f"weights announcement: plan_hash {ann['plan_hash']} of the learner differs from "
@@ -217,9 +237,12 @@ class WeightReceiver:
             if buffers is None:
                 buffers = allocate_buckets(self.plan, self._device)
             self._group.broadcast(buffers, self._interrupted)
-        except (BroadcastError, RuntimeError) as exc:  # RuntimeError: the store was unreachable
-            log.warning("weights: %s: receiving policy_version %d failed: %s",
-                        self.actor_id, ann["policy_version"], exc)  # fmt: skip
+        except Exception as exc:  # the thread must survive; RuntimeError: store unreachable
+            expected = isinstance(exc, BroadcastError | RuntimeError)
+            (log.warning if expected else log.exception)(
+                "weights: %s: receiving policy_version %d failed: %s",
+                self.actor_id, ann["policy_version"], exc,
+            )  # fmt: skip
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._drop_group()  # the buffers may still be written by a parked operation: drop them
             with self._cond:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -30,6 +30,14 @@ from asyncrl.protocol import Group, Trajectory
 from replay import admission
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import Prompt, PromptSource
+
+
+class Credit(NamedTuple):
+    """One credit as the actor sees it (`CreditItem` plus the `Credits` message's version)."""
+
+    credit_id: int
+    prompt_id: str
+    policy_version: int  # the hub's version when it issued the credit
 
 
 class SimHub:
@@ -98,8 +106,8 @@ class SimHub:
         self.adopt_version(policy_version)
         self.parked.append(num_groups)
 
-    def grant(self) -> dict[str, list[tuple[int, str]]]:
-        """New credits per actor as (credit_id, prompt_id), as `Hub.grant_credits` issues them."""
+    def grant(self) -> dict[str, list[Credit]]:
+        """New credits per actor, as `Hub.grant_credits` issues them."""
         if not self.free:
             return {}
         total = admission.credits_available(
@@ -115,7 +123,7 @@ class SimHub:
         )
         if total <= 0:
             return {}
-        granted: dict[str, list[tuple[int, str]]] = {}
+        granted: dict[str, list[Credit]] = {}
         for actor_id, n in admission.allocate(total, self.free.candidates(total)).items():
             granted[actor_id] = [self._new_credit(actor_id) for _ in range(n)]
             self.free.add(actor_id, -n)
@@ -134,30 +142,27 @@ class SimHub:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _new_credit(self, actor_id: str) -> tuple[int, str]:
+    def _new_credit(self, actor_id: str) -> Credit:
         prompt, _seed = self.prompts.next_prompt()
         self.credit_serial += 1
         self.credits[actor_id][self.credit_serial] = prompt.prompt_id
         self.in_flight += 1
-        return self.credit_serial, prompt.prompt_id
+        return Credit(self.credit_serial, prompt.prompt_id, self.policy_version)
 
     def _dropped(self, groups: list[Group]) -> None:
         for group in groups:
             self.prompts.reissue(group.prompt_id)
         self.num_dropped_stale += len(groups)
 
-    def make_group(
-        self, actor_id: str, seq: int, credit: tuple[int, str], policy_version: int
-    ) -> Group:
+    def make_group(self, actor_id: str, seq: int, credit: Credit, policy_version: int) -> Group:
         """A real Group for this credit, every sample stamped with `policy_version`."""
         fields = self._templates.get(policy_version)
         if fields is None:
             template = self._template(policy_version)
             fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(Group)}
             self._templates[policy_version] = fields
-        credit_id, prompt_id = credit
-        identity = {"group_id": f"{actor_id}/{seq}", "prompt_id": prompt_id,
-                    "credit_id": credit_id, "actor_id": actor_id, "seq": seq}  # fmt: skip
+        identity = {"group_id": f"{actor_id}/{seq}", "prompt_id": credit.prompt_id,
+                    "credit_id": credit.credit_id, "actor_id": actor_id, "seq": seq}  # fmt: skip
         return Group(**(fields | identity))
 
     def _template(self, policy_version: int) -> Group:

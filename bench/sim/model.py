@@ -36,7 +36,7 @@ import numpy as np
 
 from asyncrl.config import RunConfig
 
-from .hub import SimHub
+from .hub import Credit, SimHub
 from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync
 from .tracker import Tracker
 
@@ -73,6 +73,10 @@ class SimConfig:
     """Steps excluded from the measurements (start-up transient)."""
     seed: int = 0
     """Seed of the response-length sampler and of the prompt source."""
+    wait_for_weights: bool = False
+    """What-if, not the current actor: an actor holding a credit issued at version c does not
+    start a batch with weights older than c - η (those groups are certain to be dropped) but
+    waits for the broadcast. False = asyncrl's actor, which generates with what it has."""
     lengths: LengthModel = field(default_factory=LengthModel)
     generation: GenerationTime = field(default_factory=GenerationTime)
     learner: LearnerTime = field(default_factory=LearnerTime)
@@ -210,6 +214,11 @@ class Simulation:
     def actor_start(self, actor: _Actor) -> None:
         """Generation boundary: swap in the newest weights, take every held credit."""
         actor.start_pending = False
+        if self.cfg.wait_for_weights:
+            needed = max(c.policy_version for c in actor.held) - self.cfg.max_staleness
+            if self.weights.available < needed:
+                self.weights.waiters.append(actor)
+                return
         credits, actor.held = actor.held, []
         actor.busy, actor.version = True, self.weights.available
         n = len(credits) * self.cfg.group_size
@@ -219,7 +228,7 @@ class Simulation:
         self.at(self.now + seconds, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
         self.track.generation(seconds, n)
 
-    def actor_done(self, arg: tuple[_Actor, list[tuple[int, str]], list[int]]) -> None:
+    def actor_done(self, arg: tuple[_Actor, list[Credit], list[int]]) -> None:
         """Push one group per credit, stamped with the version the batch started with."""
         actor, credits, lengths = arg
         size = self.cfg.group_size
@@ -285,12 +294,15 @@ class Simulation:
             self.at(self.now + self.cfg.sync.seconds, PRIO_SYNC, self.sync_done, queued)
         for v in [v for v in self.weights.published_at if v < policy_version]:
             del self.weights.published_at[v]  # superseded: never delivered
+        waiters, self.weights.waiters = self.weights.waiters, []
+        for actor in waiters:
+            self.wake(actor)
 
 
 @dataclass(eq=False)
 class _Actor:
     actor_id: str
-    held: list[tuple[int, str]] = field(default_factory=list)
+    held: list[Credit] = field(default_factory=list)
     busy: bool = False
     start_pending: bool = False
     version: int = 0
@@ -321,6 +333,7 @@ class _Publisher:
     in_flight: int | None = None
     queued: int | None = None
     published_at: dict[int, float] = field(default_factory=dict)
+    waiters: list[_Actor] = field(default_factory=list)  # wait_for_weights only
 
     def seconds(self, sync: WeightSync) -> float:
         return sync.seconds

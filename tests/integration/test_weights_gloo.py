@@ -39,7 +39,8 @@ def _receiver_main(
         while receiver.wait_ready(None):
             got = receiver.poll()
             if got is not None:
-                outbox.put(("weights", actor_id, got[0], {n: t.clone() for n, t in got[1]}))
+                # raw bytes, not tensors: a tensor in a queue needs its (maybe killed) sender
+                outbox.put(("weights", actor_id, got[0], {n: _raw(t) for n, t in got[1]}))
 
     threading.Thread(target=report, daemon=True).start()
     outbox.put(("ready", actor_id, plan.plan_hash))
@@ -156,11 +157,14 @@ def weights_for(model: torch.nn.Module) -> tuple[int, dict[str, torch.Tensor]]:
     return v, {n: p.detach() * v + v for n, p in model.named_parameters()}
 
 
-def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+def _raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    return str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bitwise_equal(got: dict[str, tuple], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        assert got[name] == _raw(tensor), name
 
 
 def test_both_receivers_get_the_senders_weights_bit_for_bit(
@@ -264,5 +268,34 @@ def test_an_announcement_with_another_plan_is_refused(plan: BucketPlan) -> None:
             receiver.on_announce(announcement)
         assert plan.plan_hash in str(err.value) and other.plan_hash in str(err.value)
         assert receiver.poll() is None and receiver.stats.num_received == 0
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"epoch": "1"}, "epoch"),
+        ({"ranks": {"actor-a": 5}}, "ranks"),
+        ({"nccl_unique_id": "abc"}, "nccl_unique_id"),
+        ({"backend": "nccl"}, "backend"),
+    ],
+)
+def test_a_malformed_announcement_is_refused_naming_the_field(
+    plan: BucketPlan, change: dict, field: str
+) -> None:
+    receiver = WeightReceiver(plan, "actor-a", timeout_s=TIMEOUT_S)
+    announcement = {
+        "policy_version": 7, "plan_hash": plan.plan_hash, "backend": "gloo", "epoch": 1,
+        "store_host": "127.0.0.1", "store_port": 1, "world_size": 2, "ranks": {"actor-a": 1},
+        "nccl_unique_id": None,
+    }  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=field):
+            receiver.on_announce({**announcement, **change})
+        bare = dict(announcement)
+        del bare[field]
+        with pytest.raises(ValueError, match=f"missing fields \\['{field}'\\]"):
+            receiver.on_announce(bare)
     finally:
         receiver.close()

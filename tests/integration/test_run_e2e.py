@@ -1,0 +1,69 @@
+"""End to end: `asyncrl run` on a tiny budget, as a subprocess, for η = 4 and η = 0.
+
+Asserts what a user relies on: exit code 0, versions advanced one per step, every consumed
+group within the staleness bound, every actor holding the learner's final weights (same
+policy_version, same weights digest), and the run directory's artefacts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        *[arg for o in overrides for arg in ("--set", o)],
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=480)
+    return run_dir, proc
+
+
+def _check_run(run_dir: Path, proc: subprocess.CompletedProcess[str], steps: int, eta: int) -> None:
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert 0 <= r["staleness_max"] <= eta, r
+        assert sum(r["staleness_hist"][eta + 1 :]) == 0, r
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    assert learner["policy_version"] == steps
+    actors = sorted(run_dir.glob("actor-*.json"))
+    assert actors, "no actor status files"
+    for path in actors:
+        status = json.loads(path.read_text())
+        assert status["policy_version"] == steps, status
+        assert status["weights_digest"] == learner["weights_digest"], status
+    for name in ("config.toml", "reward.png", "summary.json", "learner_config.toml"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").iterdir()), "no TensorBoard events"
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["staleness_max"] <= eta
+    assert "step" in proc.stdout and "done:" in proc.stdout
+
+
+def test_run_async_eta4(tmp_path: Path) -> None:
+    run_dir, proc = _run(tmp_path, "learner.max_steps=6", "replay.max_staleness=4")
+    _check_run(run_dir, proc, steps=6, eta=4)
+
+
+@pytest.mark.slow
+def test_run_synchronous_eta0_two_actors(tmp_path: Path) -> None:
+    run_dir, proc = _run(
+        tmp_path, "learner.max_steps=4", "replay.max_staleness=0", "run.num_actors=2"
+    )
+    _check_run(run_dir, proc, steps=4, eta=0)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness_max"] == 0 for r in rows)
+    assert len(list(run_dir.glob("actor-*.json"))) == 2
