@@ -65,6 +65,7 @@ def ensure_model(model: ModelConfig, task: TaskConfig) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=cache))
     try:
         _build(model, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is readable like any other
         os.rename(tmp, final)  # atomic; fails if another process already renamed its build in
     except OSError:
         if not (final / "config.json").is_file():

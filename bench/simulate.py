@@ -60,15 +60,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--groups-per-step", type=int, default=None)
     pre.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     pre.add_argument("--measure", type=int, default=20, help="measured learner steps per run")
-    pre.add_argument("--warmup", type=int, default=None,
-                     help="steps before the measurement (default η + 4: the pipeline fills)")  # fmt: skip
+    pre.add_argument(
+        "--warmup", type=int, default=None, help="steps before measuring (default η + 4)"
+    )
     pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
     pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a ClusterAssumptions field")  # fmt: skip
     pre.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                      help="simulations run in parallel processes")  # fmt: skip
-    pre.add_argument("--what-if-wait-for-weights", action="store_true",
-                     help="also simulate actors that wait for weights no older than c - η")  # fmt: skip
+    pre.add_argument(
+        "--what-if-wait-for-weights",
+        action="store_true",
+        help="also simulate actors that wait for their credits' weights version",
+    )
     pre.add_argument("--png", default=None, help="plot path (default simulate_world<L>.png)")
     return p.parse_args(list(argv))
 
@@ -84,7 +88,9 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
     for item in args.assume:
         name, _, text = item.partition("=")
         if name not in types or not text:
-            raise ValueError(f"--assume {item!r}: expected FIELD=VALUE, FIELD one of {sorted(types)}")
+            raise ValueError(
+                f"--assume {item!r}: expected FIELD=VALUE, FIELD one of {sorted(types)}"
+            )
         values[name] = int(text) if types[name] == "int" else float(text)
     return ClusterAssumptions(**values)
 
@@ -131,12 +137,16 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     for wait in variants:
         rows = []
         for eta in args.eta:
-            runs = [r for job, r in zip(jobs, results, strict=True) if job[1] == eta and job[5] == wait]
+            runs = [
+                r for job, r in zip(jobs, results, strict=True) if job[1] == eta and job[5] == wait
+            ]
             rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta]})
             _print_row(rows[-1], "what-if wait_for_weights: " if wait else "")
         out["what_if_wait_for_weights" if wait else "predictions"] = rows
     out["simulation_wall_s"] = time.perf_counter() - start
-    print(f"simulated {len(jobs)} runs in {out['simulation_wall_s']:.1f} s on {args.jobs} processes")
+    print(
+        f"simulated {len(jobs)} runs in {out['simulation_wall_s']:.1f} s on {args.jobs} processes"
+    )
     return out
 
 
@@ -177,9 +187,11 @@ def print_calibration(section: dict[str, Any]) -> None:
         print(f"calibration {section['status']}")
         return
     g = section["generation"]
-    print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
-          f"{g['token_s']:.4g} s/token; learner: {section['learner_overhead_s']:.4g} s + "
-          f"{section['learner_token_s']:.4g} s/token/rank; sync {section['sync_s']:.4g} s")  # fmt: skip
+    print(
+        f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
+        f"{g['token_s']:.4g} s/token; learner: {section['learner_overhead_s']:.4g} s + "
+        f"{section['learner_token_s']:.4g} s/token/rank; sync {section['sync_s']:.4g} s"
+    )
     print("  η  samples/s meas  sim   rel.err | learner wait meas sim | actor wait meas sim")
     for p in section["points"]:
         m, s = p["measured"], p["simulated"]
@@ -198,8 +210,11 @@ def provenance(argv: Sequence[str]) -> dict[str, Any]:
     return {
         "command": "python bench/simulate.py " + shlex.join(argv),
         "git_commit": commit,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },  # fmt: skip
         "versions": {"numpy": np.__version__},
     }
 
@@ -233,7 +248,9 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     med, err = series("samples_per_s")
     ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3, label="asyncrl actors")
     if "what_if_wait_for_weights" in result:
-        what_if = [r["metrics"]["samples_per_s"]["median"] for r in result["what_if_wait_for_weights"]]
+        what_if = [
+            r["metrics"]["samples_per_s"]["median"] for r in result["what_if_wait_for_weights"]
+        ]
         ax[0, 0].plot(x, what_if, "k--o", label="what-if: actors wait for weights")
         ax[0, 0].legend()
     ax[0, 0].set(title="learner throughput", ylabel="samples / s", xlabel="η (max_staleness)")
@@ -257,8 +274,10 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     ax[1, 1].set(title="groups dropped as stale per step", xlabel="η")
     for axis in (ax[0, 0], ax[1, 1]):
         axis.set_xticks(x, [str(e) for e in etas])
-    fig.suptitle(f"asyncrl simulated: L={a['world']} learner GPUs, A={a['num_actors']} actors, "
-                 f"{a['groups_per_step']}x{a['group_size']} samples/step (8B bf16, H200)")  # fmt: skip
+    fig.suptitle(
+        f"asyncrl simulated: L={a['world']} learner GPUs, A={a['num_actors']} actors, "
+        f"{a['groups_per_step']}x{a['group_size']} samples/step (8B bf16, H200)"
+    )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -269,6 +288,12 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.command == "calibrate":
+        if not Path(args.measured).is_file():
+            print(
+                f"calibrate: {args.measured} not found (bench/staleness.py writes it)",
+                file=sys.stderr,
+            )
+            return 2
         section = calibration_section(args.measured, args.steps) | provenance(argv)
         print_calibration(section)
         out = Path(args.out)  # keep an earlier prediction, replace its calibration

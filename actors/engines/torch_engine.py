@@ -113,6 +113,17 @@ class TorchEngine:
                 self._params[name].copy_(tensor)
         self._policy_version = int(policy_version)
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights the model holds now, under Hugging Face names, as CPU copies.
+
+        Named as `model.named_parameters()` names them (a tied head appears once, as its
+        embedding), which is what a trainer's digest of the same model covers.
+        """
+        with torch.no_grad():
+            return [
+                (name, p.detach().to("cpu", copy=True)) for name, p in self.model.named_parameters()
+            ]
+
     # ---------------------------------------------------------------- sampling
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
@@ -142,7 +153,7 @@ class TorchEngine:
             i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None
         }
 
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)
         logits, mask = self._prefill(requests, cache)
         cache.batch_select_indices(row_req)
         logits, mask = logits[row_req], mask[row_req]

@@ -134,6 +134,15 @@ class VllmEngine:
         assert self._llm.reset_prefix_cache(), "prefix cache not reset (requests still running)"
         self._policy_version = policy_version
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights vLLM's model computes with now, under Hugging Face names, as CPU copies.
+
+        Read from the live model by the worker extension (fused layers split, vocabulary
+        padding removed), so they compare bit for bit with the tensors a trainer sent.
+        """
+        (named,) = self._llm.collective_rpc("hf_named_weights")
+        return list(named)
+
     def close(self) -> None:
         """Shut vLLM's engine down; the engine is unusable afterwards."""
         llm = getattr(self, "_llm", None)

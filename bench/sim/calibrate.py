@@ -38,6 +38,7 @@ is at least 0.05, relative) error of the learner and actor wait fractions.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
@@ -139,14 +140,12 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
 
 def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """Drop keys this version of asyncrl.config does not know (results may be newer or older)."""
-    import dataclasses
-
-    known = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    defaults = RunConfig()
     out: dict[str, Any] = {}
     for section, values in raw.items():
-        if section in known:
-            fields = {f.name for f in dataclasses.fields(getattr(RunConfig(), section))}
-            out[section] = {k: v for k, v in values.items() if k in fields}
+        if section in {f.name for f in dataclasses.fields(RunConfig)}:
+            known = {f.name for f in dataclasses.fields(getattr(defaults, section))}
+            out[section] = {k: v for k, v in values.items() if k in known}
     return out
 
 

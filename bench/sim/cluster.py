@@ -113,7 +113,8 @@ class ClusterAssumptions:
                 (p + "input_layernorm.weight", (h,), "bfloat16"),
                 (p + "post_attention_layernorm.weight", (h,), "bfloat16"),
             ]
-        specs += [("model.norm.weight", (h,), "bfloat16"), ("lm_head.weight", (self.vocab_size, h), "bfloat16")]  # fmt: skip
+        specs.append(("model.norm.weight", (h,), "bfloat16"))
+        specs.append(("lm_head.weight", (self.vocab_size, h), "bfloat16"))
         return specs
 
     def bucket_plan(self) -> BucketPlan:

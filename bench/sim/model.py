@@ -22,6 +22,10 @@ consumes at version v and the hub records staleness v - min_policy_version.
 
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
 `warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
+
+Not modelled: message latency and the hub's own processing time, actor failures and heartbeats,
+heterogeneous actors, an engine's batch limit (a batch beyond vLLM's max_num_seqs would run in
+waves), reuse (`max_times_sampled` > 1), and the reward cost apart from a fixed per-batch part.
 """
 
 from __future__ import annotations
@@ -74,9 +78,9 @@ class SimConfig:
     seed: int = 0
     """Seed of the response-length sampler and of the prompt source."""
     wait_for_weights: bool = False
-    """What-if, not the current actor: an actor holding a credit issued at version c does not
-    start a batch with weights older than c - η (those groups are certain to be dropped) but
-    waits for the broadcast. False = asyncrl's actor, which generates with what it has."""
+    """What-if, not asyncrl's actor today: an actor holding credits issued at hub version c
+    waits for weights >= c before starting the batch (the generation AReaL's window assumes).
+    False = asyncrl's actor, which starts at once with whatever weights it has loaded."""
     lengths: LengthModel = field(default_factory=LengthModel)
     generation: GenerationTime = field(default_factory=GenerationTime)
     learner: LearnerTime = field(default_factory=LearnerTime)
@@ -188,7 +192,7 @@ class Simulation:
             self.track.advance(t)
             self.now = t
             handler(arg)
-        return self.track.result(self.cfg, self.weights.seconds(self.cfg.sync))
+        return self.track.result(self.cfg, self.cfg.sync.seconds)
 
     def at(self, t: float, prio: int, handler: Callable[[Any], None], arg: Any = None) -> None:
         heapq.heappush(self.events, (t, prio, next(self.serial), handler, arg))
@@ -215,7 +219,8 @@ class Simulation:
         """Generation boundary: swap in the newest weights, take every held credit."""
         actor.start_pending = False
         if self.cfg.wait_for_weights:
-            needed = max(c.policy_version for c in actor.held) - self.cfg.max_staleness
+            needed = max(c.policy_version for c in actor.held)
+            needed -= needed % self.cfg.publish_every  # only these versions are published
             if self.weights.available < needed:
                 self.weights.waiters.append(actor)
                 return
@@ -334,9 +339,6 @@ class _Publisher:
     queued: int | None = None
     published_at: dict[int, float] = field(default_factory=dict)
     waiters: list[_Actor] = field(default_factory=list)  # wait_for_weights only
-
-    def seconds(self, sync: WeightSync) -> float:
-        return sync.seconds
 
 
 def simulate(cfg: SimConfig) -> SimResult:
