@@ -35,7 +35,7 @@ import numpy as np
 
 from actors.engines.base import Engine, GenerationRequest, Sample
 from actors.rewards.base import RewardResult, Verifier, safe_score
-from asyncrl.config import RunConfig, load_config
+from asyncrl.config import ActorConfig, RunConfig, load_config
 from asyncrl.protocol import (
     CreditItem,
     CreditReturn,
@@ -87,8 +87,6 @@ class Actor:
             "reward_failures": 0,
         }
         self.eos_id = int(tokenizer.eos_token_id)
-        self.track_digest = False
-        self.weights_digest = ""  # of the last weights swapped in (when track_digest)
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
 
@@ -131,8 +129,6 @@ class Actor:
         self.engine.load_weights(named, policy_version)
         self.stats["weights_load_s"] += time.perf_counter() - start
         self.stats["weights_loaded"] += 1
-        if self.track_digest:
-            self.weights_digest = digest_named_tensors(named)
         self.conn.send(WeightsLoaded(actor_id=self.actor_id, policy_version=policy_version))
 
     def take_credits(self, timeout_s: float = 0.2) -> list[CreditItem]:
@@ -174,16 +170,9 @@ class Actor:
         return groups
 
     def request_for(self, credit: CreditItem) -> GenerationRequest:
-        actor = self.cfg.actor
         prompt_tokens = self.tokenizer(credit.prompt)["input_ids"]
-        return GenerationRequest(
-            prompt_tokens=prompt_tokens,
-            n=self.group_size,
-            temperature=actor.temperature,
-            top_p=actor.top_p,
-            max_new_tokens=actor.max_new_tokens,
-            stop_token_ids=(self.eos_id,),
-            seed=credit.seed,
+        return generation_request(
+            self.cfg.actor, prompt_tokens, self.group_size, self.eos_id, credit.seed
         )
 
     def make_group(
@@ -246,6 +235,21 @@ class Actor:
         if self.pending:
             self.conn.send(CreditReturn(credit_ids=[c.credit_id for c in self.pending]))
             self.pending = []
+
+
+def generation_request(
+    actor: ActorConfig, prompt_tokens: Sequence[int], group_size: int, eos_id: int, seed: int
+) -> GenerationRequest:
+    """The engine request of one credit: `group_size` samples under the actor's settings."""
+    return GenerationRequest(
+        prompt_tokens=prompt_tokens,
+        n=group_size,
+        temperature=actor.temperature,
+        top_p=actor.top_p,
+        max_new_tokens=actor.max_new_tokens,
+        stop_token_ids=(eos_id,),
+        seed=seed,
+    )
 
 
 # --- process entry point ----------------------------------------------------------------------
@@ -321,7 +325,6 @@ def main(argv: Sequence[str]) -> int:
         verifier=make_verifier(cfg.task),
         receiver=receiver,
     )
-    actor.track_digest = bool(args.status_file)
     signal.signal(signal.SIGTERM, lambda *_: actor.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: actor.stop_event.set())
     conn.start()
@@ -333,7 +336,7 @@ def main(argv: Sequence[str]) -> int:
             status = {
                 "actor_id": args.actor_id,
                 "policy_version": engine.policy_version,
-                "weights_digest": actor.weights_digest,
+                "weights_digest": digest_named_tensors(engine.named_weights()),
                 "stats": actor.stats,
             }
             Path(args.status_file).write_text(json.dumps(status, indent=1))

@@ -73,8 +73,6 @@ class ModelConfig:
     """Tiny model: MLP width."""
     init_seed: int = 0
     """Tiny model: seed of the random initialisation."""
-    warm_start_steps: int = 0
-    """Tiny model: supervised warm-start steps on the task's format before RL (0 = none)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and generation."""
 
@@ -92,12 +90,6 @@ class ModelConfig:
             "model.num_kv_heads",
             f"must divide model.num_heads={self.num_heads}",
             self.num_kv_heads,
-        )
-        _check(
-            self.warm_start_steps >= 0,
-            "model.warm_start_steps",
-            "must be >= 0",
-            self.warm_start_steps,
         )
 
 

@@ -52,11 +52,6 @@ def ensure_model(model: ModelConfig, task: TaskConfig) -> Path:
         if not path.is_dir():
             raise ValueError(f"model.path: directory not found: {str(path)!r}")
         return path
-    if model.warm_start_steps > 0:
-        raise ValueError(
-            "model.warm_start_steps: supervised warm start is not supported by the tiny model "
-            f"(RL learns the built-in tasks from scratch); set it to 0, got {model.warm_start_steps}"
-        )
     cache = Path(model.cache_dir).expanduser()
     final = cache / build_key(model)
     if (final / "config.json").is_file():

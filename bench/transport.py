@@ -43,6 +43,7 @@ from asyncrl.transport import HubConnection
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64
+VARIANTS = ("hub", "raw", "raw_relay")
 
 
 def make_group(target_bytes: int) -> Group:
@@ -258,7 +259,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
            "pid": proc.pid}  # fmt: skip
     learner = HubConnection(endpoint, role="learner", client_id="learner", config_hash=hub["hash"])
     learner.start()
-    times: dict[str, list[float]] = {"hub": [], "raw": [], "raw_relay": []}
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS if name in args.variants}
     cpus: dict[str, list[float]] = {name: [] for name in times}
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
@@ -278,6 +279,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         learner.close()
         proc.terminate()
         proc.wait()
+    if set(times) != set(VARIANTS) or not args.reps:
+        return {"group_bytes": actual, "partial": True}  # a profiling run, not a result
     gps = {k: [count / t for t in v] for k, v in times.items()}
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
@@ -303,6 +306,7 @@ def main() -> None:
     p.add_argument("--bytes-per-rep", type=int, default=512 << 20, help="bytes moved per repetition")
     p.add_argument("--min-groups", type=int, default=256, help="at least this many groups per repetition")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
@@ -319,6 +323,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     for r in results:
+        if r.get("partial"):
+            continue
         print(f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
               f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f}")  # fmt: skip
 

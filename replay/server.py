@@ -150,6 +150,7 @@ class Hub:
         self.departed: dict[str, dict[str, Any]] = {}
         self.last_logged: dict[bytes, float] = {}
         self.dropped_since_batch = 0
+        self.acks: list[tuple[bytes, Ack]] = []  # sent at the end of each receive_all
         self.running = True
         self.handlers = {
             Hello: self.on_hello, Group: self.on_group, SampleRequest: self.on_sample_request,
@@ -194,12 +195,17 @@ class Hub:
     # --- receiving ------------------------------------------------------------------------------
 
     def receive_all(self, limit: int = 2000) -> None:
+        """Handle what is waiting, then send the acks together: back-to-back sends wake the
+        socket's I/O thread once, not once per group."""
         for _ in range(limit):
             try:
                 frames = recv_parts(self.sock, NOBLOCK)
             except zmq.Again:
-                return
+                break
             self.handle(frames[0].bytes, frames[1:])
+        acks, self.acks = self.acks, []
+        for identity, ack in acks:
+            self.send(identity, ack)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
@@ -431,7 +437,7 @@ class Hub:
     # --- sending --------------------------------------------------------------------------------
 
     def send_ack(self, identity: bytes, g: Group) -> None:
-        self.send(identity, Ack(seq=g.seq, credit_id=g.credit_id))
+        self.acks.append((identity, Ack(seq=g.seq, credit_id=g.credit_id)))
 
     def send(self, identity: bytes, msg: Message) -> None:
         self.send_frames(identity, encode(msg))
