@@ -499,10 +499,23 @@ def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
     for name, dtype in plan.arrays:
         arr = np.ascontiguousarray(out[name], dtype=dtype)
         out[name] = {"dtype": dtype, "shape": list(arr.shape), "frame": len(frames)}
-        frames.append(arr.data if arr.size else b"")
+        frames.append(_payload(arr))
     for name in plan.msgs:
         out[name] = [_encode_obj(item, frames) for item in out[name]]
     return out
+
+
+def _payload(arr: np.ndarray) -> Any:
+    """The frame to send for an array: a received frame it views whole is forwarded as is
+    (ZeroMQ then shares that message's buffer: no copy, no Python reference tracking)."""
+    if not arr.size:
+        return b""
+    base = arr.base
+    if type(base) is memoryview and base.nbytes == arr.nbytes:
+        frame = base.obj
+        if getattr(frame, "buffer", None) is not None and hasattr(frame, "more"):  # zmq.Frame
+            return frame
+    return arr.data
 
 
 # --------------------------------------------------------------------------------------------

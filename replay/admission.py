@@ -15,12 +15,15 @@ groups *and* reported the next version.
 Three more limits: the buffer's capacity (stored + in flight never exceeds it, so a group that
 arrives with a valid credit always has room), the buffer's reuse limiter (`insert_room`), and the
 actors' own concurrency (an actor never holds more credits than it said it can generate at
-once). Pure functions, no state.
+once). `CreditBook` keeps the outstanding credits themselves. No sockets, no clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from asyncrl.protocol import CreditItem
+from replay.prompts import PromptSource
 
 
 def credits_available(
@@ -65,3 +68,71 @@ def allocate(total: int, free_slots: Mapping[str, int]) -> dict[str, int]:
                 still.append(actor)
         order = still
     return grant
+
+
+class CreditBook:
+    """Outstanding credits: which holder (a routing id) may push a group for which prompt.
+
+    Credit ids carry the hub's incarnation in their high 32 bits, so a group for a credit of an
+    earlier hub process is recognised as such (see asyncrl/transport.py for what the hub does
+    with it) instead of being confused with a forged or spent credit of this one.
+    """
+
+    def __init__(self, prompts: PromptSource, incarnation: int) -> None:
+        assert 0 < incarnation < 2**31
+        self.prompts = prompts
+        self.incarnation = incarnation
+        self._serial = 0
+        self._held: dict[bytes, dict[int, str]] = {}  # holder -> credit_id -> prompt_id
+        self.outstanding = 0
+        self.num_issued = 0
+        self.num_expired = 0
+        self.num_returned = 0
+
+    def is_current(self, credit_id: int) -> bool:
+        """Issued (or forged) under this incarnation; 0 is never an incarnation."""
+        return credit_id >> 32 in (self.incarnation, 0)
+
+    def held_by(self, holder: bytes) -> int:
+        return len(self._held.get(holder, ()))
+
+    def issue(self, holder: bytes, n: int) -> list[CreditItem]:
+        """`n` new credits for `holder`, each for the next prompt (re-issues first)."""
+        book = self._held.setdefault(holder, {})
+        items = []
+        for _ in range(n):
+            prompt, seed = self.prompts.next_prompt()
+            self._serial += 1
+            credit_id = (self.incarnation << 32) | self._serial
+            book[credit_id] = prompt.prompt_id
+            items.append(CreditItem(credit_id=credit_id, prompt_id=prompt.prompt_id,
+                                    prompt=prompt.prompt, seed=seed, info=prompt.info))  # fmt: skip
+        self.outstanding += n
+        self.num_issued += n
+        return items
+
+    def spend(self, holder: bytes, credit_id: int) -> bool:
+        """Use up a credit for a stored group; False when `holder` does not hold it."""
+        if self._held.get(holder, {}).pop(credit_id, None) is None:
+            return False
+        self.outstanding -= 1
+        return True
+
+    def give_back(self, holder: bytes, credit_ids: list[int]) -> int:
+        """Credits an actor returns unused: their prompts are re-issued. Unknown ids are ignored."""
+        book = self._held.get(holder, {})
+        returned = [book.pop(c) for c in credit_ids if c in book]
+        for prompt_id in returned:
+            self.prompts.reissue(prompt_id)
+        self.outstanding -= len(returned)
+        self.num_returned += len(returned)
+        return len(returned)
+
+    def expire(self, holder: bytes) -> int:
+        """A holder left or died: all its credits expire and their prompts are re-issued."""
+        book = self._held.pop(holder, {})
+        for prompt_id in book.values():
+            self.prompts.reissue(prompt_id)
+        self.outstanding -= len(book)
+        self.num_expired += len(book)
+        return len(book)
