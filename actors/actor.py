@@ -6,17 +6,23 @@
                                                     |
    main loop, once per generation round:            v  (newest complete version)
      1. swap in received weights  <---------- receiver.poll()   -> WeightsLoaded to hub
-     2. take every credit held (<= actor.concurrency groups)
+     2. take up to actor.concurrency credits (the window holds the next round's too)
      3. engine.generate(one request per credit, n = group_size)
-     4. score each sample with the task's verifier (a failing verifier marks the sample)
-     5. push one Group per credit, stamped with the engine's policy_version
+     4. hand the round to the pusher thread and go back to 1 at once
+   pusher thread, one round behind, while the engine generates the next:
+     5. decode, score each sample with the task's verifier (a failing verifier marks the sample)
+     6. push one Group per credit, stamped with the engine's policy_version of its round
    back-pressure: the hub grants credits only as admission allows (η, learner version), so
-   with a small η the actor waits here instead of producing samples that would be dropped.
+   with a small η the actor waits at 2 instead of producing samples that would be dropped; the
+   pusher takes one round at a time, so generation never runs more than a round ahead of it.
 ```
 
-Weights are only swapped between generation rounds, so every sample of a round carries
-min_policy_version == max_policy_version == the engine's version during that round.
-SIGTERM finishes the current round, pushes it, returns unused credits and says Bye.
+The actor asks the hub for `actor.num_window_credits` credits (2 × concurrency by default) but
+generates at most `concurrency` groups per round: the next round's credits arrive while the
+current round generates, so no hub round trip sits between rounds. Weights are only swapped
+between rounds, so every sample of a round carries min_policy_version == max_policy_version ==
+the engine's version during that round. SIGTERM finishes the current round, pushes it, returns
+unused credits (their prompts are re-issued at once) and says Bye; the exit code is 0.
 """
 
 from __future__ import annotations
@@ -24,17 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from actors.engines.base import Engine, GenerationRequest, Sample
-from actors.rewards.base import RewardResult, Verifier, safe_score
+from actors.rewards.base import Verifier, safe_score
 from asyncrl.config import ActorConfig, RunConfig, load_config
 from asyncrl.protocol import (
     CreditItem,
@@ -42,12 +50,22 @@ from asyncrl.protocol import (
     Credits,
     Error,
     Group,
-    Trajectory,
     WeightsAnnounce,
     WeightsLoaded,
 )
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
+
+
+@dataclass
+class Round:
+    """One generation round on its way from the engine to the hub."""
+
+    credits: list[CreditItem]
+    requests: list[GenerationRequest]
+    outputs: list[list[Sample]]
+    policy_version: int
+    generate_s: float
 
 
 class Actor:
@@ -76,6 +94,7 @@ class Actor:
         self.group_size = cfg.actor.group_size
         self.seq = 0
         self.stats: dict[str, float] = {
+            "rounds": 0,
             "groups_pushed": 0,
             "samples": 0,
             "tokens": 0,
@@ -85,8 +104,11 @@ class Actor:
             "weights_loaded": 0,
             "weights_load_s": 0.0,
             "reward_failures": 0,
+            "credits_returned": 0,
         }
         self.eos_id = int(tokenizer.eos_token_id)
+        self.rounds: queue.Queue[Round | None] = queue.Queue(maxsize=1)
+        self.pusher_error: BaseException | None = None
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
 
@@ -101,18 +123,25 @@ class Actor:
     # --- the main loop ------------------------------------------------------------------------
 
     def run(self, max_groups: int = 0) -> None:
-        """Generate until stopped (or `max_groups` pushed, for tests and benchmarks)."""
-        while not self.stop_event.is_set():
-            self.swap_weights()
-            credits = self.take_credits()
-            if not credits:
-                continue
-            groups = self.rollout(credits)
-            for group in groups:
-                self.conn.send(group)
-            self.stats["groups_pushed"] += len(groups)
-            if max_groups and self.stats["groups_pushed"] >= max_groups:
-                break
+        """Generate until stopped (or `max_groups` generated, for tests and benchmarks)."""
+        pusher = threading.Thread(target=self.push_rounds, name="actor-pusher", daemon=True)
+        pusher.start()
+        generated = 0
+        try:
+            while not self.stop_event.is_set() and self.pusher_error is None:
+                self.swap_weights()
+                credits = self.take_credits()
+                if not credits:
+                    continue
+                self.rounds.put(self.generate(credits))  # waits while the pusher is a round behind
+                generated += len(credits)
+                if max_groups and generated >= max_groups:
+                    break
+        finally:
+            self.rounds.put(None)  # the pusher finishes what it holds, then stops
+            pusher.join()
+        if self.pusher_error is not None:
+            raise RuntimeError("the actor's pusher thread failed") from self.pusher_error
         self.return_credits()
 
     # --- named steps --------------------------------------------------------------------------
@@ -132,18 +161,23 @@ class Actor:
         self.conn.send(WeightsLoaded(actor_id=self.actor_id, policy_version=policy_version))
 
     def take_credits(self, timeout_s: float = 0.2) -> list[CreditItem]:
-        """Drain the inbox; return every credit held (waiting briefly when there is none)."""
-        start = time.perf_counter()
-        deadline = start + timeout_s
-        while True:
-            wait = max(0.0, deadline - time.perf_counter()) if not self.pending else 0.0
-            msg = self.conn.recv(timeout_s=wait)
-            if msg is None:
-                break
-            self.handle(msg)
-        self.stats["wait_credit_s"] += time.perf_counter() - start if not self.pending else 0.0
-        credits, self.pending = self.pending, []
+        """Up to `concurrency` held credits; waits (up to timeout_s) only when none is held."""
+        self.drain_inbox(0.0)
+        if not self.pending:
+            start = time.perf_counter()
+            self.drain_inbox(timeout_s)
+            if self.pending:
+                self.stats["wait_credit_s"] += time.perf_counter() - start
+        batch = self.cfg.actor.concurrency
+        credits, self.pending = self.pending[:batch], self.pending[batch:]
         return credits
+
+    def drain_inbox(self, wait_s: float) -> None:
+        """Handle every message waiting; wait up to `wait_s` for the first one."""
+        msg = self.conn.recv(timeout_s=wait_s)
+        while msg is not None:
+            self.handle(msg)
+            msg = self.conn.recv(timeout_s=0.0)
 
     def handle(self, msg: Any) -> None:
         """Anything the hub sends that is not a weight announcement."""
@@ -156,18 +190,16 @@ class Actor:
                 flush=True,
             )
 
-    def rollout(self, credits: Sequence[CreditItem]) -> list[Group]:
-        """Generate, score and package one group per credit."""
+    def generate(self, credits: list[CreditItem]) -> Round:
+        """One engine call for every credit of the round, stamped with the engine's version."""
         policy_version = self.engine.policy_version
         requests = [self.request_for(c) for c in credits]
         start = time.perf_counter()
         outputs = self.engine.generate(requests)
         gen_s = time.perf_counter() - start
         self.stats["generate_s"] += gen_s
-        groups = []
-        for credit, request, samples in zip(credits, requests, outputs, strict=True):
-            groups.append(self.make_group(credit, request, samples, policy_version, gen_s))
-        return groups
+        self.stats["rounds"] += 1
+        return Round(credits, requests, outputs, policy_version, gen_s)
 
     def request_for(self, credit: CreditItem) -> GenerationRequest:
         prompt_tokens = self.tokenizer(credit.prompt)["input_ids"]
@@ -175,65 +207,76 @@ class Actor:
             self.cfg.actor, prompt_tokens, self.group_size, self.eos_id, credit.seed
         )
 
+    def push_rounds(self) -> None:
+        """The pusher thread: score, package and send each round handed over, in order."""
+        while (rnd := self.rounds.get()) is not None:
+            if self.pusher_error is not None:
+                continue  # drain, so the main loop never blocks on a dead pusher
+            try:
+                for group in self.make_groups(rnd):
+                    self.conn.send(group)
+                    self.stats["groups_pushed"] += 1
+            except BaseException as exc:  # surfaced by the main loop, never swallowed
+                self.pusher_error = exc
+
+    def make_groups(self, rnd: Round) -> list[Group]:
+        """Score every sample of the round (one batched decode) and build one Group per credit."""
+        start = time.perf_counter()
+        flat = [s.completion_tokens.tolist() for samples in rnd.outputs for s in samples]
+        texts = iter(self.tokenizer.batch_decode(flat, skip_special_tokens=False))
+        groups = []
+        for credit, request, samples in zip(rnd.credits, rnd.requests, rnd.outputs, strict=True):
+            completions = [next(texts) for _ in samples]
+            groups.append(self.make_group(credit, request, samples, completions, rnd))
+        reward_s = time.perf_counter() - start
+        self.stats["reward_s"] += reward_s
+        for group in groups:
+            group.timings["reward_s"] = reward_s / len(groups)
+        return groups
+
     def make_group(
         self,
         credit: CreditItem,
         request: GenerationRequest,
         samples: Sequence[Sample],
-        policy_version: int,
-        gen_s: float,
+        completions: Sequence[str],
+        rnd: Round,
     ) -> Group:
-        start = time.perf_counter()
+        """The columnar Group of one credit's samples (no per-sample message objects)."""
+        results = [
+            safe_score(self.verifier, credit.prompt, text, credit.info) for text in completions
+        ]
         prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
-        trajectories = []
-        for i, sample in enumerate(samples):
-            result = self.score(credit, sample)
-            completion = np.asarray(sample.completion_tokens, dtype=np.int32)
-            trajectories.append(
-                Trajectory(
-                    tokens=np.concatenate([prompt, completion]),
-                    prompt_len=int(prompt.shape[0]),
-                    loss_mask=np.ones(completion.shape[0], dtype=np.uint8),
-                    behavior_logprobs=np.asarray(sample.logprobs, dtype=np.float32),
-                    reward=result.reward,
-                    min_policy_version=policy_version,
-                    max_policy_version=policy_version,
-                    finish_reason=sample.finish_reason,
-                    trajectory_id=f"{self.actor_id}/{self.seq}/{i}",
-                    reward_failed=result.failed,
-                )
-            )
-            self.stats["tokens"] += int(completion.shape[0])
-        reward_s = time.perf_counter() - start
-        self.stats["reward_s"] += reward_s
-        self.stats["samples"] += len(samples)
-        group = Group.build(
-            group_id=f"{self.actor_id}/{self.seq}",
-            prompt_id=credit.prompt_id,
-            credit_id=credit.credit_id,
-            actor_id=self.actor_id,
-            seq=self.seq,
-            trajectories=trajectories,
-            timings={"generate_s": gen_s, "reward_s": reward_s},
-        )
+        lengths = [len(s.completion_tokens) for s in samples]
+        num = len(samples)
+        failures = [r.failed for r in results]
+        self.stats["reward_failures"] += sum(1 for f in failures if f)
+        self.stats["samples"] += num
+        self.stats["tokens"] += sum(lengths)
+        group_id = f"{self.actor_id}/{self.seq}"
+        group = Group(
+            group_id=group_id, prompt_id=credit.prompt_id, credit_id=credit.credit_id,
+            actor_id=self.actor_id, seq=self.seq,
+            trajectory_ids=[f"{group_id}/{i}" for i in range(num)],
+            seq_lens=[len(prompt) + n for n in lengths], prompt_lens=[len(prompt)] * num,
+            rewards=[r.reward for r in results],
+            min_policy_versions=[rnd.policy_version] * num,
+            max_policy_versions=[rnd.policy_version] * num,
+            finish_reasons=[s.finish_reason for s in samples], reward_failed=failures,
+            tokens=np.concatenate([a for s in samples for a in (prompt, s.completion_tokens)]),
+            loss_mask=np.ones(sum(lengths), dtype=np.uint8),
+            behavior_logprobs=np.concatenate([s.logprobs for s in samples], dtype=np.float32),
+            timings={"generate_s": rnd.generate_s},
+        )  # fmt: skip
         self.seq += 1
         return group
 
-    def score(self, credit: CreditItem, sample: Sample) -> RewardResult:
-        text = self.tokenizer.decode(sample.completion_tokens, skip_special_tokens=False)
-        result = safe_score(self.verifier, credit.prompt, text, credit.info)
-        if result.failed:
-            self.stats["reward_failures"] += 1
-        return result
-
     def return_credits(self) -> None:
         """Hand back credits that will not be used (shutdown), so their prompts are re-issued."""
-        msg = self.conn.recv(timeout_s=0.0)
-        while msg is not None:
-            self.handle(msg)
-            msg = self.conn.recv(timeout_s=0.0)
+        self.drain_inbox(0.0)
         if self.pending:
             self.conn.send(CreditReturn(credit_ids=[c.credit_id for c in self.pending]))
+            self.stats["credits_returned"] += len(self.pending)
             self.pending = []
 
 
@@ -281,13 +324,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--status-file", default="", help="JSON written at exit: stats, version, weights digest"
     )
-    p.add_argument("--max-groups", type=int, default=0, help="stop after pushing this many groups")
+    p.add_argument(
+        "--max-groups", type=int, default=0, help="stop after generating this many groups"
+    )
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str]) -> int:
     """`asyncrl actor`: connect to the hub and generate until SIGTERM."""
     args = parse_args(argv)
+    stop = threading.Event()  # set by SIGTERM/SIGINT, even while the engine is still starting
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     overrides = list(args.set) + ([f"actor.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
     from transformers import AutoTokenizer
@@ -298,49 +346,45 @@ def main(argv: Sequence[str]) -> int:
     from asyncrl.weights.receiver import WeightReceiver
 
     model_dir = ensure_model(cfg.model, cfg.task)
-    seed = cfg.run.seed + 1000 * (args.index + 1)
-    engine = build_engine(cfg, model_dir, seed)
+    engine = build_engine(cfg, model_dir, seed=cfg.run.seed + 1000 * (args.index + 1))
     plan = BucketPlan.from_params(params_from_safetensors(model_dir), cfg.weights.bucket_bytes)
     receiver = WeightReceiver(
         plan, args.actor_id, timeout_s=cfg.weights.timeout_s, backend=cfg.weights.backend
     )
     conn = HubConnection(
-        args.hub,
-        role="actor",
-        client_id=args.actor_id,
-        config_hash=cfg.config_hash(),
-        concurrency=cfg.actor.concurrency,
+        args.hub, role="actor", client_id=args.actor_id, config_hash=cfg.config_hash(),
+        concurrency=cfg.actor.num_window_credits,
         heartbeat_interval_s=cfg.replay.heartbeat_interval_s,
-        max_message_bytes=cfg.replay.max_message_bytes,
-        hwm=cfg.replay.hwm,
+        max_message_bytes=cfg.replay.max_message_bytes, hwm=cfg.replay.hwm,
         auth_dir=cfg.replay.auth_dir,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    )  # fmt: skip
     actor = Actor(
-        cfg,
-        actor_id=args.actor_id,
-        conn=conn,
-        engine=engine,
-        tokenizer=tokenizer,
-        verifier=make_verifier(cfg.task),
+        cfg, actor_id=args.actor_id, conn=conn, engine=engine,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir), verifier=make_verifier(cfg.task),
         receiver=receiver,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: actor.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: actor.stop_event.set())
+    )  # fmt: skip
+    actor.stop_event = stop
     conn.start()
     try:
         actor.run(max_groups=args.max_groups)
         actor.swap_weights()  # the last announced weights, if they arrived meanwhile
     finally:
         if args.status_file:
-            status = {
-                "actor_id": args.actor_id,
-                "policy_version": engine.policy_version,
-                "weights_digest": digest_named_tensors(engine.named_weights()),
-                "stats": actor.stats,
-            }
-            Path(args.status_file).write_text(json.dumps(status, indent=1))
+            write_status(Path(args.status_file), actor)
         conn.close(reason="shutdown")
         receiver.close()
         engine.close()
     return 0
+
+
+def write_status(path: Path, actor: Actor) -> None:
+    """The actor's final state; the digest is of the weights the engine really holds."""
+    status = {
+        "actor_id": actor.actor_id,
+        "policy_version": actor.engine.policy_version,
+        "weights_digest": digest_named_tensors(actor.engine.named_weights()),
+        "stats": actor.stats,
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(status, indent=1))
+    os.replace(tmp, path)  # a reader never sees half a file

@@ -192,7 +192,11 @@ class ActorConfig:
     group_size: int = 8
     """Samples per prompt (the GRPO group)."""
     concurrency: int = 4
-    """Groups one actor holds credits for at once (generated together as one batch)."""
+    """Groups one actor generates together as one batch (at most)."""
+    credit_window: int = 0
+    """Credits the actor asks the hub to keep it supplied with; 0 = 2 × concurrency, so the
+    next batch's credits are at hand when a batch ends (no hub round trip between batches).
+    Must be 0 or >= concurrency; admission (η) still bounds what the hub grants."""
     max_new_tokens: int = 8
     """Completion length limit in tokens."""
     temperature: float = 1.0
@@ -202,9 +206,20 @@ class ActorConfig:
     vllm_kv_cache_gib: float = 1.0
     """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
 
+    @property
+    def num_window_credits(self) -> int:
+        """The credit window the actor announces to the hub (resolves the 0 default)."""
+        return self.credit_window or 2 * self.concurrency
+
     def __post_init__(self) -> None:
         _check(self.group_size >= 1, "actor.group_size", "must be >= 1", self.group_size)
         _check(self.concurrency >= 1, "actor.concurrency", "must be >= 1", self.concurrency)
+        _check(
+            self.credit_window == 0 or self.credit_window >= self.concurrency,
+            "actor.credit_window",
+            "must be 0 or >= actor.concurrency",
+            self.credit_window,
+        )
         _check(
             self.max_new_tokens >= 1, "actor.max_new_tokens", "must be >= 1", self.max_new_tokens
         )

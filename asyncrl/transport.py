@@ -53,6 +53,7 @@ from asyncrl.protocol import (
     Ack,
     Batch,
     Bye,
+    CreditReturn,
     Credits,
     Error,
     Group,
@@ -244,11 +245,16 @@ class HubConnection:
 
     def send(self, msg: Message) -> None:
         """Queue a message for the hub (thread-safe). A Group needs a credit this client holds."""
+        if self._thread is None or self._stop.is_set():
+            raise ConnectionError("HubConnection.send: not started, or closed")
         frames = encode(msg)
         with self._lock:
             if isinstance(msg, Group):
                 self._spend_credit(msg.credit_id)
                 self._unacked[msg.seq] = msg
+            elif isinstance(msg, CreditReturn):
+                self._held.difference_update(msg.credit_ids)
+                self._retired.difference_update(msg.credit_ids)
             elif isinstance(msg, Version):
                 self._last_version = msg
             elif isinstance(msg, SampleRequest):

@@ -14,7 +14,7 @@ noise hits both alike:
   of `group_size` samples, same max_new_tokens, temperature, top_p, stop token, seeded), back
   to back.
 
-`ratio` = actor / bare tokens per second. The hub's capacity is set to two rounds (and η out of
+`ratio` = actor / bare tokens per second. The hub's capacity is set to three rounds (and η out of
 reach), so while the bare engine runs the actor has filled the buffer and idles instead of
 competing for the cores; each actor repetition first drains that backlog (warm-up batches).
 The engine gets `--threads` threads in both places (OMP_NUM_THREADS for the processes).
@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="torch,vllm", help="comma-separated subset")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions per variant")
     p.add_argument("--rounds", type=int, default=12, help="generation rounds per repetition")
-    p.add_argument("--warmup-rounds", type=int, default=3, help="rounds before each clock")
+    p.add_argument("--warmup-rounds", type=int, default=4, help="rounds before each clock")
     p.add_argument("--threads", type=int, default=1, help="engine threads (both variants)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
     return p.parse_args()
@@ -60,7 +60,7 @@ def bench_overrides(args: argparse.Namespace, engine: str, model_cache: Path) ->
         *args.set,
         f"actor.engine={engine}",
         f"learner.groups_per_step={concurrency}",  # one batch = one round
-        f"replay.capacity_groups={2 * concurrency}",  # the actor runs at most 2 rounds ahead
+        f"replay.capacity_groups={3 * concurrency}",  # the actor runs at most 3 rounds ahead
         "replay.max_staleness=1000000",  # versions never move here; nothing goes stale
         f"model.cache_dir={json.dumps(str(model_cache))}",
     ]
@@ -130,10 +130,19 @@ class ActorSystem:
         return status
 
 
-def actor_rep(system: ActorSystem, warmup: int, rounds: int) -> tuple[float, list, dict]:
-    """Tokens/s of the actor loop; the prompts of each measured round; request wait stats."""
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def actor_rep(system: ActorSystem, warmup: int, rounds: int) -> tuple[float, float, list, float]:
+    """Tokens per wall second and per CPU second (hub + actor + this process) of the actor loop;
+    the prompts of each measured round; the median time a batch request waited at the hub."""
     for _ in range(warmup):
         _, t0 = system.batch()
+    pids = (system.hub.pid, system.actor.pid)
+    cpu0 = sum(cpu_s(pid) for pid in pids) + time.process_time()
     tokens, prompts, waits = 0, [], []
     for _ in range(rounds):
         batch, t_end = system.batch()
@@ -143,11 +152,12 @@ def actor_rep(system: ActorSystem, warmup: int, rounds: int) -> tuple[float, lis
             tokens += int(sum(g.seq_lens) - sum(g.prompt_lens))
             round_prompts.append((g.tokens[: g.prompt_lens[0]].tolist(), g.size))
         prompts.append(round_prompts)
-    return tokens / (t_end - t0), prompts, {"batch_wait_s_median": statistics.median(waits)}
+    cpu = sum(cpu_s(pid) for pid in pids) + time.process_time() - cpu0
+    return tokens / (t_end - t0), tokens / cpu, prompts, statistics.median(waits)
 
 
-def bare_rep(engine: Any, cfg: Any, eos_id: int, prompts: list) -> float:
-    """Tokens/s of the engine alone on the same rounds of prompts."""
+def bare_rep(engine: Any, cfg: Any, eos_id: int, prompts: list) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second of the engine alone on the same prompts."""
     from actors.actor import generation_request
 
     batches = [
@@ -158,11 +168,11 @@ def bare_rep(engine: Any, cfg: Any, eos_id: int, prompts: list) -> float:
         for r, round_prompts in enumerate(prompts)
     ]
     tokens = 0
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     for requests in batches:
         for samples in engine.generate(requests):
             tokens += sum(len(s.completion_tokens) for s in samples)
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu0)
 
 
 def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -183,26 +193,34 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     system = ActorSystem(config_path, dataset, run_dir, args.threads)
     engine = build_engine(cfg, model_dir, seed=7)
     eos_id = int(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
-    actor_tps, bare_tps, waits = [], [], []
+    runs: dict[str, list[float]] = {k: [] for k in ("actor", "bare", "actor_cpu", "bare_cpu")}
+    waits = []
     try:
-        _, warm_prompts, _ = actor_rep(system, args.warmup_rounds, 1)  # actor up and warm
+        _, _, warm_prompts, _ = actor_rep(system, args.warmup_rounds, 1)  # actor up and warm
         bare_rep(engine, cfg, eos_id, warm_prompts * args.warmup_rounds)  # bare warm
         for rep in range(args.reps):
-            tps, prompts, wait = actor_rep(system, args.warmup_rounds, args.rounds)
-            actor_tps.append(tps)
-            waits.append(wait["batch_wait_s_median"])
-            bare_tps.append(bare_rep(engine, cfg, eos_id, prompts))
-            print(f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare_tps[-1]:8.0f} tok/s  "
-                  f"ratio {tps / bare_tps[-1]:.3f}", flush=True)  # fmt: skip
+            tps, tpc, prompts, wait = actor_rep(system, args.warmup_rounds, args.rounds)
+            bare, bare_cpu = bare_rep(engine, cfg, eos_id, prompts)
+            for key, value in zip(runs, (tps, bare, tpc, bare_cpu), strict=True):
+                runs[key].append(value)
+            waits.append(wait)
+            print(f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare:8.0f} tok/s  "
+                  f"ratio {tps / bare:.3f}  per CPU-s ratio {tpc / bare_cpu:.3f}  "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     finally:
         status = system.close()
         engine.close()
-    ratios = [a / b for a, b in zip(actor_tps, bare_tps, strict=True)]
+    ratios = [a / b for a, b in zip(runs["actor"], runs["bare"], strict=True)]
+    cpu_ratios = [a / b for a, b in zip(runs["actor_cpu"], runs["bare_cpu"], strict=True)]
     return {
-        "actor_tokens_per_s": summary(actor_tps),
-        "bare_tokens_per_s": summary(bare_tps),
+        "actor_tokens_per_s": summary(runs["actor"]),
+        "bare_tokens_per_s": summary(runs["bare"]),
         "ratio": summary(ratios),
-        "ratio_of_medians": statistics.median(actor_tps) / statistics.median(bare_tps),
+        "ratio_of_medians": statistics.median(runs["actor"]) / statistics.median(runs["bare"]),
+        "actor_tokens_per_cpu_s": summary(runs["actor_cpu"]),
+        "bare_tokens_per_cpu_s": summary(runs["bare_cpu"]),
+        "cpu_ratio": summary(cpu_ratios),
+        "per_rep": {**runs, "ratio": ratios},
         "actor_batch_wait_s_median": statistics.median(waits),
         "actor_status_stats": status.get("stats", {}),
         "config": {

@@ -13,8 +13,12 @@ noise hits every variant alike:
                honest floor for any hub (reported as `ratio_vs_relay`).
 
 Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repetition; the
-clock runs in this process from "go" to the last group received. Writes
-bench/results/transport.json.
+clock runs in this process from "go" to the last group received. Besides wall-clock rates, each
+variant reports the CPU time all its processes spent per group (user + system, ZeroMQ I/O
+threads and kernel included): on a shared machine that is the steadier number, and the hub's
+is split by process (actor, hub, learner). Writes bench/results/transport.json.
+
+    python bench/transport.py [--reps 5] [--bytes-per-rep 268435456] [--sizes 32768,...]
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ def make_group(target_bytes: int) -> Group:
         )
         for _ in range(SAMPLES)
     ]
-    return Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="bench", seq=0, trajectories=trajs)
+    return Group.build(
+        group_id="g", prompt_id="p", credit_id=0, actor_id="bench", seq=0, trajectories=trajs
+    )
 
 
 def overrides_for(group_bytes: int, batch: int) -> list[str]:
@@ -107,7 +113,9 @@ def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: i
 def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any,
                   cpu: Any) -> None:  # fmt: skip
     """Send the frames of `count` groups (same header bytes and arrays the hub path moves)."""
-    frames = [bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))]
+    frames = [
+        bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))
+    ]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 10000)
@@ -188,7 +196,9 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
         helper.start()
         target = front
     ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
-    sender = ctx.Process(target=raw_push_main, args=(target, group_bytes, count, relay, ready, go, cpu))
+    sender = ctx.Process(
+        target=raw_push_main, args=(target, group_bytes, count, relay, ready, go, cpu)
+    )
     sender.start()
     assert ready.wait(120), "sender did not start"
     time.sleep(0.2)
@@ -215,7 +225,9 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
 
 def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     dataset = tmp / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000)))
+    dataset.write_text(
+        "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000))
+    )
     endpoint_file = tmp / "endpoint"
     endpoint_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset), "--endpoint-file",
@@ -233,16 +245,27 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def environment() -> dict[str, Any]:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
     return {
-        "machine": {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-                    "loadavg_at_start": os.getloadavg()},  # fmt: skip
-        "versions": {"python": platform.python_version(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-                     "msgpack": ".".join(map(str, msgpack.version)), "numpy": np.__version__},  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": cpu,
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "msgpack": ".".join(map(str, msgpack.version)),
+            "numpy": np.__version__,
+        },
         "commit": commit or None,
     }
 
@@ -303,9 +326,15 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (after one warm-up)")
-    p.add_argument("--bytes-per-rep", type=int, default=512 << 20, help="bytes moved per repetition")
-    p.add_argument("--min-groups", type=int, default=256, help="at least this many groups per repetition")
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes")
+    p.add_argument(
+        "--bytes-per-rep", type=int, default=256 << 20, help="bytes moved per repetition"
+    )
+    p.add_argument(
+        "--min-groups", type=int, default=256, help="at least this many groups per repetition"
+    )
+    p.add_argument(
+        "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
@@ -315,8 +344,13 @@ def main() -> None:
     out = {
         "benchmark": "transport",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "config": {"reps": args.reps, "bytes_per_rep": args.bytes_per_rep, "samples_per_group": SAMPLES,
-                   "prompt_tokens": PROMPT_TOKENS, "transport": "tcp loopback"},  # fmt: skip
+        "config": {
+            "reps": args.reps,
+            "bytes_per_rep": args.bytes_per_rep,
+            "samples_per_group": SAMPLES,
+            "prompt_tokens": PROMPT_TOKENS,
+            "transport": "tcp loopback",
+        },
         **environment(),
         "results": results,
     }

@@ -93,6 +93,9 @@ class CreditBook:
         """Issued (or forged) under this incarnation; 0 is never an incarnation."""
         return credit_id >> 32 in (self.incarnation, 0)
 
+    def holds(self, holder: bytes, credit_id: int) -> bool:
+        return credit_id in self._held.get(holder, ())
+
     def held_by(self, holder: bytes) -> int:
         return len(self._held.get(holder, ()))
 

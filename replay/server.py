@@ -3,27 +3,29 @@
     actors (DEALER)                       hub (one ROUTER, one thread)                learner
     ---------------                       ----------------------------                -------
     Hello ------------------------------> register, check protocol + config hash <--- Hello
-          <------------------------------ Welcome / Error(protocol|config_mismatch)
+          <------------------------------ Welcome / Error(protocol|config_mismatch) ---->
           <------------------------------ Credits   (admission: AReaL window, capacity,
                                                      reuse limiter, actor concurrency)
-    Group ------------------------------> validate credit, dedup (actor_id, seq),
+    Group ------------------------------> check credit, dedup (actor_id, seq),
           <------------------------------ Ack        store in ReplayBuffer
                                           SampleRequest parked until num_groups are <--- SampleRequest
                                           eligible (staleness <= η), then Batch ------> Batch
                                           Version: adopt, drop stale, re-issue ------> Members
           <------------------------------ WeightsAnnounce (forwarded unchanged) <---- WeightsAnnounce
-    WeightsLoaded, Heartbeat, Bye ------> liveness; dead actors' credits re-issued
+    WeightsLoaded, Heartbeat, Bye ------> liveness; a dead actor's credits are re-issued
 
 Back-pressure: actors generate only with credits, and credits are issued only while
-`replay.admission` allows (the learner's version moves the window); so a slow learner makes
-actors wait rather than produce groups that would go stale. The learner waits (its request is
+`replay.admission` allows (the learner's version moves the window), so a slow learner makes
+actors wait instead of producing groups that would go stale; the learner waits (its request is
 parked) while too few fresh groups exist. Sends never block the loop: a peer whose pipe is full
-gets a per-peer backlog, flushed as it drains.
+gets a backlog, flushed as it drains. Groups are forwarded to the learner without copying their
+arrays (the received frames themselves go out again).
 
 Bad input (garbage, truncated frames, wrong protocol, wrong types, NaN, oversized, a credit not
 held, a message from an unregistered routing id) is answered with `Error(code, field, detail)`
 to its sender only, counted by code, logged at most once per sender per minute; everyone else
-keeps being served.
+keeps being served. A group for a credit of an earlier hub process (the hub restarted) is
+accepted as completed work; see asyncrl/transport.py for the delivery rule.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from asyncrl.protocol import (
     Ack,
     Batch,
     Bye,
-    CreditItem,
     CreditReturn,
     Credits,
     Error,
@@ -73,16 +74,14 @@ from asyncrl.protocol import (
     encode,
 )
 from asyncrl.transport import NOBLOCK, bind_router, recv_parts, send_parts
-from replay.admission import allocate, credits_available
+from replay.admission import CreditBook, allocate, credits_available
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import PromptSource, load_dataset
 
 log = logging.getLogger("asyncrl.replay")
-DEDUP_WINDOW = 65536  # seqs remembered per actor; a client resends only its unacked groups
-ROLE_OF = {
-    Group: "actor", WeightsLoaded: "actor",
-    SampleRequest: "learner", Version: "learner", WeightsAnnounce: "learner",
-}  # fmt: skip
+DEDUP_WINDOW = 65536  # seqs remembered per actor; a client re-sends only groups not yet acked
+ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
+ROLE_OF[WeightsAnnounce] = "learner"
 
 
 @dataclass(eq=False)
@@ -92,9 +91,8 @@ class Client:
     role: str
     concurrency: int
     last_seen: float
-    credits: dict[int, str] = field(default_factory=dict)  # credit_id -> prompt_id
     loaded_version: int = -1
-    seen: set[int] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)  # seqs of groups already taken (dedup)
     seen_order: collections.deque[int] = field(default_factory=collections.deque)
 
     def remember(self, seq: int) -> None:
@@ -114,14 +112,8 @@ class Parked:
 class Hub:
     """Replay hub: binds on construction; `serve_forever()` runs the loop until `stop()`."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        dataset_path: str | Path,
-        bind: str | None = None,
-        *,
-        allow_insecure: bool = False,
-    ) -> None:
+    def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
+                 allow_insecure: bool = False) -> None:  # fmt: skip
         self.cfg, rc = cfg, cfg.replay
         self.buffer = ReplayBuffer(
             capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
@@ -130,9 +122,8 @@ class Hub:
             tolerance=rc.samples_per_insert_tolerance,
         )  # fmt: skip
         self.prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
+        self.credits = CreditBook(self.prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
-        self.incarnation = secrets.randbelow(2**30 - 1) + 1  # high bits of every credit id
-        self.credit_serial = 0
         self.ctx = zmq.Context()
         self.authenticator = (
             auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
@@ -141,8 +132,8 @@ class Hub:
             self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure
         )
         self.clients: dict[bytes, Client] = {}
-        self.credit_owner: dict[int, bytes] = {}
         self.parked: collections.deque[Parked] = collections.deque()
+        self.acks: list[tuple[bytes, Ack]] = []  # sent together at the end of receive_all
         self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -150,14 +141,12 @@ class Hub:
         self.departed: dict[str, dict[str, Any]] = {}
         self.last_logged: dict[bytes, float] = {}
         self.dropped_since_batch = 0
-        self.acks: list[tuple[bytes, Ack]] = []  # sent at the end of each receive_all
         self.running = True
         self.handlers = {
-            Hello: self.on_hello, Group: self.on_group, SampleRequest: self.on_sample_request,
-            Version: self.on_version, WeightsAnnounce: self.on_weights_announce,
-            WeightsLoaded: self.on_weights_loaded, Heartbeat: self.on_heartbeat,
-            CreditReturn: self.on_credit_return, StatsRequest: self.on_stats_request,
-            Bye: self.on_bye,
+            Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
+            WeightsAnnounce: self.on_weights_announce, WeightsLoaded: self.on_weights_loaded,
+            Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
+            StatsRequest: self.on_stats_request, Bye: self.on_bye,
         }  # fmt: skip
 
     @property
@@ -174,11 +163,11 @@ class Hub:
         try:
             while self.running:
                 poller.poll(tick_ms)  # wait for messages or the next tick
-                self.receive_all()  # handle each waiting message (bounded)
+                self.receive_all()  # handle every waiting message, then send their acks
                 self.flush_backlog()  # peers whose pipes were full
                 self.expire_dead_clients(time.monotonic())
-                self.grant_credits()  # refill actors' credit windows
-                self.serve_parked()  # answer sample requests that can be answered now
+                self.grant_credits()  # refill actors' credit windows, one message each
+                self.serve_parked()  # answer the sample requests that can be answered now
         finally:
             self.close()
 
@@ -195,8 +184,8 @@ class Hub:
     # --- receiving ------------------------------------------------------------------------------
 
     def receive_all(self, limit: int = 2000) -> None:
-        """Handle what is waiting, then send the acks together: back-to-back sends wake the
-        socket's I/O thread once, not once per group."""
+        """Handle what is waiting (bounded), then send the acks back to back: a burst wakes the
+        socket's I/O thread once instead of once per group."""
         for _ in range(limit):
             try:
                 frames = recv_parts(self.sock, NOBLOCK)
@@ -211,22 +200,23 @@ class Hub:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
         try:
             msg = decode(frames, self.cfg.replay.max_message_bytes)
+            if isinstance(msg, Hello):
+                return self.on_hello(identity, msg)
             client = self.clients.get(identity)
-            if client is None and not isinstance(msg, Hello):
+            if client is None:
                 raise ProtocolError(
                     "client_id", "unknown sender: send Hello first", "not_registered"
                 )
-            if client is not None:
-                client.last_seen = time.monotonic()
-                role = ROLE_OF.get(type(msg))
-                if role is not None and client.role != role:
-                    raise ProtocolError(
-                        "type", f"{msg.TYPE} is for role {role}, you are {client.role}", "bad_role"
-                    )
+            client.last_seen = time.monotonic()
+            role = ROLE_OF.get(type(msg))
+            if role is not None and client.role != role:
+                raise ProtocolError(
+                    "type", f"{msg.TYPE} is for role {role}, not {client.role}", "bad_role"
+                )
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError("type", f"{msg.TYPE} is sent by the hub, not to it")
-            handler(identity, client, msg, frames)
+            handler(client, msg, frames)
         except ProtocolError as exc:
             self.refuse(identity, exc)
         except Exception as exc:  # a hub bug must not take the hub down for everyone
@@ -243,37 +233,33 @@ class Hub:
             )
         self.send(identity, Error(code=exc.code, field=exc.field, detail=exc.detail))
 
-    # --- handlers (identity, client or None for Hello, message, raw frames) ---------------------
+    # --- handlers -------------------------------------------------------------------------------
 
-    def on_hello(
-        self, identity: bytes, client: Client | None, msg: Hello, frames: list[Any]
-    ) -> None:
+    def on_hello(self, identity: bytes, msg: Hello) -> None:
         check_hello(msg, self.config_hash)
-        if client is not None:  # a new session under the same routing id: the old one is over
-            self.drop_client(client, "replaced")
+        if identity in self.clients:  # a new session under the same routing id ends the old one
+            self.drop_client(self.clients[identity], "replaced")
         self.clients[identity] = Client(
             identity, msg.client_id, msg.role, msg.concurrency, time.monotonic()
         )
         self.departed.pop(msg.client_id, None)
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
-        self.send(identity, Welcome(
-            client_id=msg.client_id, policy_version=self.policy_version,
-            heartbeat_interval_s=self.cfg.replay.heartbeat_interval_s,
-            max_staleness=self.cfg.replay.max_staleness,
-        ))  # fmt: skip
+        rc = self.cfg.replay
+        self.send(identity, Welcome(client_id=msg.client_id, policy_version=self.policy_version,
+                                    heartbeat_interval_s=rc.heartbeat_interval_s,
+                                    max_staleness=rc.max_staleness))  # fmt: skip
 
-    def on_group(self, identity: bytes, client: Client, g: Group, frames: list[Any]) -> None:
+    def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
         self.counters["groups_received"] += 1
         if g.actor_id != client.client_id:
             raise ProtocolError(
                 "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
             )
-        if g.seq in client.seen:  # a resend of a group already taken: ack again, store once
+        if g.seq in client.seen:  # a re-send of a group already taken: ack again, store once
             self.counters["groups_duplicate"] += 1
-            self.send_ack(identity, g)
-            return
-        ours = g.credit_id >> 32 in (self.incarnation, 0)  # 0: never a valid incarnation
-        if ours and client.credits.get(g.credit_id) is None:
+            return self.acks.append((client.identity, Ack(seq=g.seq, credit_id=g.credit_id)))
+        current = self.credits.is_current(g.credit_id)
+        if current and not self.credits.holds(client.identity, g.credit_id):
             raise ProtocolError(
                 "credit_id", f"credit {g.credit_id} is not held by this actor", "unknown_credit"
             )
@@ -282,69 +268,51 @@ class Hub:
             raise ProtocolError(
                 "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
             )
-        if ours:
-            del client.credits[g.credit_id]
-            del self.credit_owner[g.credit_id]
+        if current:
+            self.credits.spend(client.identity, g.credit_id)
         else:
-            self.counters["groups_adopted"] += 1  # completed work for a credit of an earlier hub
+            self.counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
         if result is InsertResult.STORED:
             self.counters["groups_stored"] += 1
         elif result is InsertResult.STALE:
             self.dropped([g])
         client.remember(g.seq)
-        self.send_ack(identity, g)
+        self.acks.append((client.identity, Ack(seq=g.seq, credit_id=g.credit_id)))
 
-    def on_sample_request(
-        self, identity: bytes, client: Client, msg: SampleRequest, frames: list[Any]
-    ) -> None:
+    def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
             raise ProtocolError(
                 "num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}"
             )
         self.adopt_version(msg.policy_version)
-        self.parked.append(Parked(identity, msg, time.monotonic()))
+        self.parked.append(Parked(client.identity, msg, time.monotonic()))
 
-    def on_version(self, identity: bytes, client: Client, msg: Version, frames: list[Any]) -> None:
+    def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
         self.adopt_version(msg.policy_version)
         actors = sorted(c.client_id for c in self.clients.values() if c.role == "actor")
-        self.send(identity, Members(policy_version=self.policy_version, actor_ids=actors))
+        self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=actors))
 
-    def on_weights_announce(
-        self, identity: bytes, client: Client, msg: WeightsAnnounce, frames: list[Any]
-    ) -> None:
+    def on_weights_announce(self, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
         self.counters["weights_announced"] += 1
-        for peer in [c.identity for c in self.clients.values() if c.role == "actor"]:
-            self.send_frames(peer, list(frames))  # forwarded unchanged, not re-encoded
+        for actor in [c for c in self.clients.values() if c.role == "actor"]:
+            self.send_frames(actor.identity, list(frames))  # forwarded as received
 
-    def on_weights_loaded(
-        self, identity: bytes, client: Client, msg: WeightsLoaded, frames: list[Any]
-    ) -> None:
+    def on_weights_loaded(self, client: Client, msg: WeightsLoaded, frames: list[Any]) -> None:
         client.loaded_version = max(client.loaded_version, msg.policy_version)
 
-    def on_heartbeat(
-        self, identity: bytes, client: Client, msg: Heartbeat, frames: list[Any]
-    ) -> None:
-        if client.role == "learner":  # a hub that restarted learns the version from the beat
+    def on_heartbeat(self, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
+        if client.role == "learner":  # a restarted hub learns the learner's version from it
             self.adopt_version(msg.policy_version)
         elif client.role == "actor":
             client.loaded_version = max(client.loaded_version, msg.policy_version)
 
-    def on_credit_return(
-        self, identity: bytes, client: Client, msg: CreditReturn, frames: list[Any]
-    ) -> None:
-        for credit_id in msg.credit_ids:
-            prompt_id = client.credits.pop(credit_id, None)
-            if prompt_id is not None:
-                del self.credit_owner[credit_id]
-                self.prompts.reissue(prompt_id)
-                self.counters["credits_returned"] += 1
+    def on_credit_return(self, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
+        self.credits.give_back(client.identity, msg.credit_ids)
 
-    def on_stats_request(
-        self, identity: bytes, client: Client, msg: StatsRequest, frames: list[Any]
-    ) -> None:
-        self.send(identity, Stats(stats=self.stats()))
+    def on_stats_request(self, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
+        self.send(client.identity, Stats(stats=self.stats()))
 
-    def on_bye(self, identity: bytes, client: Client, msg: Bye, frames: list[Any]) -> None:
+    def on_bye(self, client: Client, msg: Bye, frames: list[Any]) -> None:
         self.drop_client(client, msg.reason or "bye")
 
     # --- state changes --------------------------------------------------------------------------
@@ -362,22 +330,14 @@ class Hub:
 
     def drop_client(self, client: Client, why: str) -> None:
         """A client left or died: its credits expire and their prompts are re-issued."""
-        for prompt_id in client.credits.values():
-            self.prompts.reissue(prompt_id)
-        for credit_id in client.credits:
-            del self.credit_owner[credit_id]
-        self.counters["credits_expired"] += len(client.credits)
+        expired = self.credits.expire(client.identity)
         self.clients.pop(client.identity, None)
         self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
         self.backlog.pop(client.identity, None)
         self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
                                            "loaded_version": client.loaded_version}  # fmt: skip
         log.info(
-            "%s %s left (%s); %d credits re-issued",
-            client.role,
-            client.client_id,
-            why,
-            len(client.credits),
+            "%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired
         )
 
     def expire_dead_clients(self, now: float) -> None:
@@ -387,34 +347,21 @@ class Hub:
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each."""
-        free = {
-            c.identity: c.concurrency - len(c.credits)
-            for c in self.clients.values()
-            if c.role == "actor"
-        }
+        free = {c.identity: c.concurrency - self.credits.held_by(c.identity)
+                for c in self.clients.values() if c.role == "actor"}  # fmt: skip
         if not any(n > 0 for n in free.values()):
             return
         total = credits_available(
             policy_version=self.policy_version, max_staleness=self.cfg.replay.max_staleness,
             groups_per_step=self.cfg.learner.groups_per_step, consumed=self.buffer.num_consumed,
-            ready=self.buffer.num_unsampled, in_flight=len(self.credit_owner), stored=len(self.buffer),
-            capacity=self.buffer.capacity, insert_room=self.buffer.insert_room(),
+            ready=self.buffer.num_unsampled, in_flight=self.credits.outstanding,
+            stored=len(self.buffer), capacity=self.buffer.capacity,
+            insert_room=self.buffer.insert_room(),
         )  # fmt: skip
         for identity, n in allocate(total, free).items():
-            client = self.clients[identity]
-            items = tuple(self.new_credit(client) for _ in range(n))
-            self.counters["credits_issued"] += n
+            items = tuple(self.credits.issue(identity, n))
             self.send(identity, Credits(group_size=self.cfg.actor.group_size,
                                         policy_version=self.policy_version, items=items))  # fmt: skip
-
-    def new_credit(self, client: Client) -> CreditItem:
-        prompt, seed = self.prompts.next_prompt()
-        self.credit_serial += 1
-        credit_id = (self.incarnation << 32) | self.credit_serial
-        client.credits[credit_id] = prompt.prompt_id
-        self.credit_owner[credit_id] = client.identity
-        return CreditItem(credit_id=credit_id, prompt_id=prompt.prompt_id, prompt=prompt.prompt,
-                          seed=seed, info=prompt.info)  # fmt: skip
 
     def serve_parked(self) -> None:
         """Answer parked sample requests in arrival order while enough eligible groups exist."""
@@ -436,9 +383,6 @@ class Hub:
 
     # --- sending --------------------------------------------------------------------------------
 
-    def send_ack(self, identity: bytes, g: Group) -> None:
-        self.acks.append((identity, Ack(seq=g.seq, credit_id=g.credit_id)))
-
     def send(self, identity: bytes, msg: Message) -> None:
         self.send_frames(identity, encode(msg))
 
@@ -452,9 +396,8 @@ class Hub:
             send_parts(self.sock, [identity, *frames], NOBLOCK)
         except zmq.Again:
             self.backlog.setdefault(identity, collections.deque()).append(frames)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
             self.counters["sends_dropped"] += 1
-            log.debug("cannot send to %r: %s", identity, exc)
 
     def flush_backlog(self) -> None:
         for identity in list(self.backlog):
@@ -472,26 +415,26 @@ class Hub:
             if not pending:
                 del self.backlog[identity]
 
-    # --- stats ----------------------------------------------------------------------------------
-
     def stats(self) -> dict[str, Any]:
+        """Counters and gauges, as answered to `StatsRequest`."""
         now = time.monotonic()
-        actors = dict(self.departed)
+        clients = dict(self.departed)
         for c in self.clients.values():
-            actors[c.client_id] = {"role": c.role, "alive": True, "loaded_version": c.loaded_version,
-                                   "outstanding": len(c.credits), "silent_s": round(now - c.last_seen, 3)}  # fmt: skip
-        keys = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                "groups_duplicate", "groups_adopted", "credits_issued", "credits_expired",
-                "credits_returned", "weights_announced", "sends_dropped")  # fmt: skip
-        out: dict[str, Any] = {k: self.counters[k] for k in keys}
-        out.update(
-            credits_outstanding=len(self.credit_owner), policy_version=self.policy_version,
-            stored=len(self.buffer), parked_requests=len(self.parked),
-            errors=dict(self.errors), clients=actors, dataset_epoch=self.prompts.epoch,
-            prompts_reissued=self.prompts.num_reissued,
-            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
-        )  # fmt: skip
-        return out
+            clients[c.client_id] = {"role": c.role, "alive": True, "loaded_version": c.loaded_version,
+                                    "outstanding": self.credits.held_by(c.identity),
+                                    "silent_s": round(now - c.last_seen, 3)}  # fmt: skip
+        counted = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+                   "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped")  # fmt: skip
+        book = self.credits
+        return {
+            **{k: self.counters[k] for k in counted},
+            "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
+            "credits_expired": book.num_expired, "credits_returned": book.num_returned,
+            "policy_version": self.policy_version, "stored": len(self.buffer),
+            "parked_requests": len(self.parked), "errors": dict(self.errors), "clients": clients,
+            "dataset_epoch": self.prompts.epoch, "prompts_reissued": self.prompts.num_reissued,
+            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+        }  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:
@@ -529,8 +472,8 @@ def main(argv: Sequence[str]) -> int:
         tmp.write_text(hub.endpoint + "\n")
         os.replace(tmp, path)  # readers never see a half-written endpoint
     print(f"asyncrl replay: serving on {hub.endpoint}", flush=True)
-    # The buffer keeps many long-lived objects and each message makes short-lived ones that
-    # form no cycles: the default GC thresholds would rescan the buffer many times a second.
+    # The buffer holds many long-lived objects and each message makes short-lived ones that
+    # form no cycles: default GC thresholds would rescan the buffer many times a second.
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())

@@ -195,7 +195,8 @@ def test_groups_from_several_actors_are_consumed_exactly_once(tmp_path: Path, hu
         assert actor.conn.unacked() == 0
     s = stats(learner)
     assert s["groups_duplicate"] == 0 and s["groups_consumed"] == 1000
-    assert s["groups_stored"] == s["groups_consumed"] + s["groups_dropped_stale"] + s["stored"]
+    # every group received is consumed, dropped as stale (on arrival or later), or still stored
+    assert s["groups_received"] == s["groups_consumed"] + s["groups_dropped_stale"] + s["stored"]
     assert s["groups_received"] == len(pushed)
     for conn in [a.conn for a in actors] + [learner]:
         conn.close()
@@ -216,6 +217,9 @@ def test_eta_zero_is_synchronous(tmp_path: Path, hubs: list) -> None:
         assert s["credits_outstanding"] == 0 and s["stored"] == 0
         advance(learner, version + 1)
     assert stats(learner)["groups_dropped_stale"] == 0
+    forged = CreditItem(credit_id=12345, prompt_id="p0000", prompt="", seed=0)
+    with pytest.raises(ValueError, match="credit_id"):  # clients never send without a credit
+        actors[0].conn.send(make_group("actor-0", 999, forged, 5))
     for actor in actors:
         actor.stop.set()
         actor.join()
@@ -320,3 +324,23 @@ def test_curve_auth_admits_only_allowed_keys(tmp_path: Path, hubs: list) -> None
     s = stats(allowed)
     assert "impostor" not in s["clients"] and s["credits_issued"] == 0
     allowed.close()
+
+
+def test_binding_beyond_loopback_needs_auth(tmp_path: Path) -> None:
+    import zmq
+
+    from asyncrl.config import ReplayConfig
+    from asyncrl.transport import bind_router
+
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match=r"replay.bind / --bind"):
+            bind_router(ctx, "tcp://0.0.0.0:0", ReplayConfig())
+        sock, endpoint = bind_router(ctx, "tcp://0.0.0.0:0", ReplayConfig(), allow_insecure=True)
+        assert endpoint.startswith("tcp://0.0.0.0:") and not endpoint.endswith(":0")
+        sock.close(linger=0)
+        sock, endpoint = bind_router(ctx, f"ipc://{tmp_path}/hub.sock", ReplayConfig())
+        assert endpoint == f"ipc://{tmp_path}/hub.sock"
+        sock.close(linger=0)
+    finally:
+        ctx.term()

@@ -1,13 +1,17 @@
-"""Admission control: AReaL's window, capacity, the reuse limiter and fair allocation."""
+"""Admission control: AReaL's window, capacity, the reuse limiter, fair allocation, and the
+credit book with the prompt source behind it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.admission import allocate, credits_available
+from replay.admission import CreditBook, allocate, credits_available
+from replay.prompts import Prompt, PromptSource, credit_seed, load_dataset
 
 
 def available(**kw: Any) -> int:
@@ -79,3 +83,48 @@ def test_allocate_never_overfills(total: int, slots: dict[str, int]) -> None:
     grant = allocate(total, slots)
     assert sum(grant.values()) == min(total, sum(max(0, n) for n in slots.values()))
     assert all(0 < grant[a] <= slots[a] for a in grant)
+
+
+# --- credits and the prompt source behind them --------------------------------------------------
+
+
+def source(n: int = 3) -> PromptSource:
+    return PromptSource([Prompt(f"p{i}", f"prompt {i}") for i in range(n)], seed=7)
+
+
+def test_credit_book_spends_returns_and_expires_with_reissue_first() -> None:
+    book = CreditBook(source(), incarnation=5)
+    a = book.issue(b"a", 2)
+    b = book.issue(b"b", 1)
+    assert [c.prompt_id for c in a + b] == ["p0", "p1", "p2"] and book.outstanding == 3
+    assert all(book.is_current(c.credit_id) for c in a) and not book.is_current(9 << 32 | 1)
+    assert not book.spend(b"b", a[0].credit_id)  # not b's credit
+    assert book.spend(b"a", a[0].credit_id) and not book.spend(b"a", a[0].credit_id)
+    assert book.give_back(b"a", [a[1].credit_id, 12345]) == 1
+    assert book.expire(b"b") == 1 and book.outstanding == 0
+    again = book.issue(b"c", 3)  # re-issued prompts come before the cursor moves on
+    assert [c.prompt_id for c in again] == ["p1", "p2", "p0"]
+    assert again[0].seed != a[1].seed  # a second attempt at p1 gets its own seed
+    assert (book.num_issued, book.num_returned, book.num_expired) == (6, 1, 1)
+
+
+def test_seeds_are_a_pure_function_of_prompt_and_attempt() -> None:
+    first, second = source(), source()
+    assert [first.next_prompt()[1] for _ in range(6)] == [second.next_prompt()[1] for _ in range(6)]
+    assert first.epoch == 2
+    assert credit_seed(7, "p0", 0) == credit_seed(7, "p0", 0) != credit_seed(7, "p0", 1)
+
+
+def test_dataset_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt_id": "a", "prompt": "x"}\n\n{"prompt_id": 3, "prompt": "y"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: prompt_id must be a string"):
+        load_dataset(path)
+    path.write_text('{"prompt_id": "a", "prompt": "x"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid JSON"):
+        load_dataset(path)
+    path.write_text('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: duplicate prompt_id"):
+        load_dataset(path)
+    path.write_text('{"prompt_id": "a", "prompt": "x", "info": {"k": 1}}\n')
+    assert load_dataset(path) == [Prompt("a", "x", {"k": 1})]

@@ -156,7 +156,7 @@ class BufferMachine(RuleBasedStateMachine):
 
 TestBufferMachine = BufferMachine.TestCase
 TestBufferMachine.settings = settings(
-    max_examples=int(__import__("os").environ.get("BUFFER_EXAMPLES", 150)),
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
 )
