@@ -511,10 +511,10 @@ def _payload(arr: np.ndarray) -> Any:
     if not arr.size:
         return b""
     base = arr.base
-    if type(base) is memoryview and base.nbytes == arr.nbytes:
-        frame = base.obj
-        if getattr(frame, "buffer", None) is not None and hasattr(frame, "more"):  # zmq.Frame
-            return frame
+    if type(base) is memoryview and base.nbytes == arr.nbytes and hasattr(base.obj, "more"):
+        whole = getattr(base.obj, "buffer", None)  # a zmq.Frame; only if the array is all of it
+        if whole is not None and whole.nbytes == arr.nbytes:
+            return base.obj
     return arr.data
 
 

@@ -197,6 +197,7 @@ def test_groups_from_several_actors_are_consumed_exactly_once(tmp_path: Path, hu
     assert s["groups_duplicate"] == 0 and s["groups_consumed"] == 1000
     # every group received is consumed, dropped as stale (on arrival or later), or still stored
     assert s["groups_received"] == s["groups_consumed"] + s["groups_dropped_stale"] + s["stored"]
+    assert s["prompts_reissued"] == s["groups_dropped_stale"]  # each dropped prompt goes again
     assert s["groups_received"] == len(pushed)
     for conn in [a.conn for a in actors] + [learner]:
         conn.close()

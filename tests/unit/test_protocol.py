@@ -463,3 +463,19 @@ def test_check_hello() -> None:
     assert (info.value.field, info.value.code) == ("protocol_version", "protocol_mismatch")
     with pytest.raises(ProtocolError, match="role"):
         check_hello(dataclasses.replace(hello, role="boss"), "abcd")
+
+
+def test_received_frames_are_forwarded_without_copies() -> None:
+    zmq = pytest.importorskip("zmq")
+    received = [zmq.Frame(f) for f in wire(GROUP)]
+    batch = Batch(request_id=1, policy_version=0, groups=(decode(received),))
+    frames = encode(batch)
+    assert all(
+        out is got for out, got in zip(frames[1:], received[1:], strict=True)
+    )  # same objects
+    assert same(decode(wire(batch)), batch)
+    partial = np.frombuffer(received[1].buffer[4:], np.int32)  # a view of part of a frame
+    assert not isinstance(encode(dataclasses.replace(GROUP, tokens=partial, seq_lens=[4], prompt_lens=[3],
+                                                     loss_mask=GROUP.loss_mask[:1],
+                                                     behavior_logprobs=GROUP.behavior_logprobs[:1]))[1],
+                          zmq.Frame)  # fmt: skip

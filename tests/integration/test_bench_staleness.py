@@ -1,0 +1,41 @@
+"""bench/staleness.py on a tiny budget: the sweep runs the real system and writes well-formed JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_sweep_writes_wellformed_results(tmp_path: Path) -> None:
+    out = tmp_path / "staleness.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "staleness.py"), "--etas", "0,4", "--losses", "decoupled_ppo",
+        "--budget-s", "45", "--out", str(out),
+        "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1/2] loss=decoupled_ppo η=0" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["speedup_eta4_vs_eta0"] > 0
+    assert [(p["loss"], p["max_staleness"]) for p in data["points"]] == [
+        ("decoupled_ppo", 0),
+        ("decoupled_ppo", 4),
+    ]
+    for point in data["points"]:
+        eta = point["max_staleness"]
+        assert point["steps"] >= 3 and point["samples_per_s"] > 0
+        assert 0.0 <= point["learner_wait_fraction"] <= 1.0
+        assert 0.0 <= point["actor_wait_fraction"] <= 1.0
+        assert len(point["staleness_hist"]) == eta + 2 and point["staleness_hist"][-1] == 0
+        assert 0.0 <= point["final_reward"] <= 1.0
+        assert point["reward_at_fixed_steps"]["steps"] >= 3
+    for name in ("staleness_throughput.png", "staleness_reward.png"):
+        assert (tmp_path / name).stat().st_size > 1000
