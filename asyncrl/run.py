@@ -46,6 +46,8 @@ class Processes:
             [sys.executable, "-m", "asyncrl", *args], stdout=log, stderr=subprocess.STDOUT, env=env
         )
         self.procs[name] = proc
+        pids = {n: p.pid for n, p in self.procs.items()}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids))  # for operators and tests
         return proc
 
     def stop(self, names: Sequence[str], grace_s: float) -> None:
