@@ -123,7 +123,11 @@ class Actor:
     # --- the main loop ------------------------------------------------------------------------
 
     def run(self, max_groups: int = 0) -> None:
-        """Generate until stopped (or `max_groups` generated, for tests and benchmarks)."""
+        """Generate until stopped (or `max_groups` generated); then push everything generated,
+        swap in the last received weights and return the credits left unused."""
+        if os.environ.get("XSWITCH"):
+            import sys
+            sys.setswitchinterval(float(os.environ["XSWITCH"]))
         pusher = threading.Thread(target=self.push_rounds, name="actor-pusher", daemon=True)
         pusher.start()
         generated = 0
@@ -133,7 +137,13 @@ class Actor:
                 credits = self.take_credits()
                 if not credits:
                     continue
-                self.rounds.put(self.generate(credits))  # waits while the pusher is a round behind
+                rnd = self.generate(credits)
+                if os.environ.get("XSEQ"):
+                    for group in self.make_groups(rnd):
+                        self.conn.send(group)
+                        self.stats["groups_pushed"] += 1
+                else:
+                    self.rounds.put(rnd)  # waits while the pusher is a round behind
                 generated += len(credits)
                 if max_groups and generated >= max_groups:
                     break
@@ -142,7 +152,8 @@ class Actor:
             pusher.join()
         if self.pusher_error is not None:
             raise RuntimeError("the actor's pusher thread failed") from self.pusher_error
-        self.return_credits()
+        self.swap_weights()  # the last announced weights, if they arrived meanwhile
+        self.return_credits()  # last: the caller closes the connection (Bye) right after
 
     # --- named steps --------------------------------------------------------------------------
 
@@ -367,12 +378,11 @@ def main(argv: Sequence[str]) -> int:
     conn.start()
     try:
         actor.run(max_groups=args.max_groups)
-        actor.swap_weights()  # the last announced weights, if they arrived meanwhile
     finally:
+        conn.close(reason="shutdown")  # Bye right after the CreditReturn: nothing granted between
+        receiver.close()
         if args.status_file:
             write_status(Path(args.status_file), actor)
-        conn.close(reason="shutdown")
-        receiver.close()
         engine.close()
     return 0
 

@@ -185,6 +185,8 @@ class Learner:
                 self.members = sorted(msg.actor_ids)
                 return
             self.handle_other(msg)
+            if self.stop_event.is_set():
+                return  # shutting down (the hub may be gone too): keep the last members
         raise TimeoutError("hub did not answer Version with Members within 10 s")
 
     def publish(self) -> None:
@@ -259,13 +261,18 @@ class Learner:
         self.step = int(state["step"])
 
     def finish(self, wait_actors_s: float) -> dict[str, Any]:
-        """Final checkpoint, final weights to every actor, and a summary for the run directory."""
+        """Final checkpoint, final weights to every actor, and a summary for the run directory.
+
+        The checkpoint comes first, so it is written whatever happens next; when stopping on a
+        signal (Ctrl-C reaches hub and actors too) the waits for the actors are kept short.
+        """
         self.checkpoint()
-        self.publisher.wait(timeout=self.cfg.weights.timeout_s)
+        wait_s = self.cfg.weights.timeout_s if not self.stop_event.is_set() else 5.0
+        self.publisher.wait(timeout=wait_s)
         if self.policy_version % self.cfg.learner.publish_every:
             self.publish()
-            self.publisher.wait(timeout=self.cfg.weights.timeout_s)
-        loaded = self.wait_actors_loaded(wait_actors_s)
+            self.publisher.wait(timeout=wait_s)
+        loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))
         return {
             "policy_version": self.policy_version,
             "step": self.step,
@@ -368,10 +375,18 @@ def main(argv: Sequence[str]) -> int:
         )
         learner.report_version()
         learner.train(log)
-        summary = learner.finish(args.wait_actors_s)
-        (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=1))
     finally:
+        try:
+            summary = learner.finish(args.wait_actors_s)
+            (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=1))
+        finally:
+            _close(log, learner, conn)
+    return 0
+
+
+def _close(log: MetricsLog, learner: Learner, conn: HubConnection) -> None:
+    try:
         log.close()
         learner.publisher.close()
+    finally:
         conn.close(reason="done")
-    return 0

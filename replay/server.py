@@ -41,7 +41,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,6 @@ import zmq
 from asyncrl import auth
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol import (
-    Ack,
     Batch,
     Bye,
     CreditReturn,
@@ -76,37 +74,12 @@ from asyncrl.protocol import (
 from asyncrl.transport import NOBLOCK, bind_router, recv_parts, send_parts
 from replay.admission import CreditBook, allocate, credits_available
 from replay.buffer import InsertResult, ReplayBuffer
+from replay.clients import Client, Parked
 from replay.prompts import PromptSource, load_dataset
 
 log = logging.getLogger("asyncrl.replay")
-DEDUP_WINDOW = 65536  # seqs remembered per actor; a client re-sends only groups not yet acked
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
 ROLE_OF[WeightsAnnounce] = "learner"
-
-
-@dataclass(eq=False)
-class Client:
-    identity: bytes
-    client_id: str
-    role: str
-    concurrency: int
-    last_seen: float
-    loaded_version: int = -1
-    seen: set[int] = field(default_factory=set)  # seqs of groups already taken (dedup)
-    seen_order: collections.deque[int] = field(default_factory=collections.deque)
-
-    def remember(self, seq: int) -> None:
-        self.seen.add(seq)
-        self.seen_order.append(seq)
-        if len(self.seen_order) > DEDUP_WINDOW:
-            self.seen.discard(self.seen_order.popleft())
-
-
-@dataclass
-class Parked:
-    identity: bytes
-    request: SampleRequest
-    since: float
 
 
 class Hub:
@@ -133,7 +106,8 @@ class Hub:
         )
         self.clients: dict[bytes, Client] = {}
         self.parked: collections.deque[Parked] = collections.deque()
-        self.acks: list[tuple[bytes, Ack]] = []  # sent together at the end of receive_all
+        self.owing: list[Client] = []  # clients owed acks, sent at the end of receive_all
+        self.max_message_bytes = rc.max_message_bytes
         self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -184,23 +158,27 @@ class Hub:
     # --- receiving ------------------------------------------------------------------------------
 
     def receive_all(self, limit: int = 2000) -> None:
-        """Handle what is waiting (bounded), then send the acks back to back: a burst wakes the
-        socket's I/O thread once instead of once per group."""
+        """Handle what is waiting (bounded), then send the burst's acks back to back (one per
+        client that takes batched acks): a burst wakes the socket's I/O thread once."""
+        sock, handle = self.sock, self.handle
         for _ in range(limit):
             try:
-                frames = recv_parts(self.sock, NOBLOCK)
+                frames = recv_parts(sock, NOBLOCK)
             except zmq.Again:
                 break
-            self.handle(frames[0].bytes, frames[1:])
-        acks, self.acks = self.acks, []
-        for identity, ack in acks:
-            self.send(identity, ack)
+            handle(frames[0].bytes, frames[1:])
+        if self.owing:
+            owing, self.owing = self.owing, []
+            for client in owing:
+                for ack in client.take_acks():
+                    self.send(client.identity, ack)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
         try:
-            msg = decode(frames, self.cfg.replay.max_message_bytes)
-            if isinstance(msg, Hello):
+            msg = decode(frames, self.max_message_bytes)
+            kind = type(msg)
+            if kind is Hello:
                 return self.on_hello(identity, msg)
             client = self.clients.get(identity)
             if client is None:
@@ -208,12 +186,12 @@ class Hub:
                     "client_id", "unknown sender: send Hello first", "not_registered"
                 )
             client.last_seen = time.monotonic()
-            role = ROLE_OF.get(type(msg))
+            role = ROLE_OF.get(kind)
             if role is not None and client.role != role:
                 raise ProtocolError(
                     "type", f"{msg.TYPE} is for role {role}, not {client.role}", "bad_role"
                 )
-            handler = self.handlers.get(type(msg))
+            handler = self.handlers.get(kind)
             if handler is None:
                 raise ProtocolError("type", f"{msg.TYPE} is sent by the hub, not to it")
             handler(client, msg, frames)
@@ -239,9 +217,7 @@ class Hub:
         check_hello(msg, self.config_hash)
         if identity in self.clients:  # a new session under the same routing id ends the old one
             self.drop_client(self.clients[identity], "replaced")
-        self.clients[identity] = Client(
-            identity, msg.client_id, msg.role, msg.concurrency, time.monotonic()
-        )
+        self.clients[identity] = Client.from_hello(identity, msg, time.monotonic())
         self.departed.pop(msg.client_id, None)
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         rc = self.cfg.replay
@@ -250,18 +226,20 @@ class Hub:
                                     max_staleness=rc.max_staleness))  # fmt: skip
 
     def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
-        self.counters["groups_received"] += 1
+        counters = self.counters
+        counters["groups_received"] += 1
         if g.actor_id != client.client_id:
             raise ProtocolError(
                 "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
             )
-        if g.seq in client.seen:  # a re-send of a group already taken: ack again, store once
-            self.counters["groups_duplicate"] += 1
-            return self.acks.append((client.identity, Ack(seq=g.seq, credit_id=g.credit_id)))
-        current = self.credits.is_current(g.credit_id)
-        if current and not self.credits.holds(client.identity, g.credit_id):
+        seq, credit_id = g.seq, g.credit_id
+        if seq in client.seen:  # a re-send of a group already taken: ack again, store once
+            counters["groups_duplicate"] += 1
+            return self.owe_ack(client, seq, credit_id)
+        current = self.credits.is_current(credit_id)
+        if current and not self.credits.holds(client.identity, credit_id):
             raise ProtocolError(
-                "credit_id", f"credit {g.credit_id} is not held by this actor", "unknown_credit"
+                "credit_id", f"credit {credit_id} is not held by this actor", "unknown_credit"
             )
         result = self.buffer.insert(g)
         if result is InsertResult.FULL:
@@ -269,15 +247,21 @@ class Hub:
                 "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
             )
         if current:
-            self.credits.spend(client.identity, g.credit_id)
+            self.credits.spend(client.identity, credit_id)
         else:
-            self.counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
+            counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
         if result is InsertResult.STORED:
-            self.counters["groups_stored"] += 1
+            counters["groups_stored"] += 1
         elif result is InsertResult.STALE:
             self.dropped([g])
-        client.remember(g.seq)
-        self.acks.append((client.identity, Ack(seq=g.seq, credit_id=g.credit_id)))
+        client.remember(seq)
+        self.owe_ack(client, seq, credit_id)
+
+    def owe_ack(self, client: Client, seq: int, credit_id: int) -> None:
+        """Acknowledge this group at the end of the current burst (receive_all)."""
+        if not client.owed:
+            self.owing.append(client)
+        client.owed.append((seq, credit_id))
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
@@ -420,9 +404,7 @@ class Hub:
         now = time.monotonic()
         clients = dict(self.departed)
         for c in self.clients.values():
-            clients[c.client_id] = {"role": c.role, "alive": True, "loaded_version": c.loaded_version,
-                                    "outstanding": self.credits.held_by(c.identity),
-                                    "silent_s": round(now - c.last_seen, 3)}  # fmt: skip
+            clients[c.client_id] = c.describe(self.credits.held_by(c.identity), now)
         counted = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
                    "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped")  # fmt: skip
         book = self.credits

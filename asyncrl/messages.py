@@ -1,0 +1,403 @@
+"""The messages asyncrl processes exchange: one frozen dataclass per message type.
+
+What travels is defined here; how it travels (msgpack header + raw array frames) is the codec in
+asyncrl/protocol.py, which re-exports every name of this module, so `from asyncrl.protocol import
+Group` is the usual spelling. Evolution: fields are only appended, with defaults. A field whose
+metadata says `omit_default` stays off the wire while it holds its default, so appending one
+leaves the bytes of every existing message unchanged (golden bytes in tests/unit/test_protocol.py).
+
+A `Group` is columnar: the token-level arrays of all its trajectories are concatenated, and
+per-trajectory scalars are lists. `Group.trajectories()` gives per-sample views without copying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ROLES = ("actor", "learner", "client")
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; `field` names the offending part."""
+
+    def __init__(self, field: str, detail: str, code: str = "bad_message") -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+        self.code = code
+
+
+def _array(dtype: str, ndim: int = 1) -> Any:
+    return field(metadata={"dtype": dtype, "ndim": ndim})
+
+
+def _appended(default: Any = None, *, factory: Any = None) -> Any:
+    """A field appended to an existing message: off the wire while it holds its default."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"omit_default": True})
+    return field(default=default, metadata={"omit_default": True})
+
+
+# --------------------------------------------------------------------------------------------
+# Messages
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello:
+    """First message of every client: who it is and what it speaks. Answered by `Welcome`."""
+
+    TYPE: ClassVar[str] = "Hello"
+    role: str
+    client_id: str
+    protocol_version: int
+    config_hash: str
+    concurrency: int = 0  # groups an actor generates at once (its credit window)
+    batched_acks: bool = _appended(False)  # the client understands `Ack.seqs`
+
+
+@dataclass(frozen=True, kw_only=True)
+class Welcome:
+    """The hub accepted a `Hello`."""
+
+    TYPE: ClassVar[str] = "Welcome"
+    client_id: str
+    policy_version: int
+    heartbeat_interval_s: float
+    max_staleness: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreditItem:
+    """One credit: permission to generate and push one group for this prompt."""
+
+    TYPE: ClassVar[str] = "CreditItem"
+    credit_id: int
+    prompt_id: str
+    prompt: str
+    seed: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Credits:
+    """Credits granted to an actor (several per message to keep the hub's send rate low)."""
+
+    TYPE: ClassVar[str] = "Credits"
+    group_size: int
+    policy_version: int
+    items: tuple[CreditItem, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreditReturn:
+    """An actor hands back credits it will not use (shutdown); their prompts are re-issued."""
+
+    TYPE: ClassVar[str] = "CreditReturn"
+    credit_ids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trajectory:
+    """One sample of a group, as the actor builds it (not a wire message by itself)."""
+
+    tokens: np.ndarray  # int32 [L]: prompt + completion
+    prompt_len: int
+    loss_mask: np.ndarray  # uint8 [L - prompt_len]: 1 where the model produced the token
+    behavior_logprobs: np.ndarray  # float32 [L - prompt_len]: 0 where loss_mask is 0
+    reward: float
+    min_policy_version: int
+    max_policy_version: int
+    finish_reason: str
+    trajectory_id: str = ""
+    reward_failed: str = ""  # why the reward could not be computed ("" = it was)
+
+    @property
+    def completion_tokens(self) -> np.ndarray:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """All samples of one prompt, the unit of storage and sampling (columnar on the wire)."""
+
+    TYPE: ClassVar[str] = "Group"
+    group_id: str
+    prompt_id: str
+    credit_id: int
+    actor_id: str
+    seq: int  # per-actor monotonic, for dedup of resends
+    trajectory_ids: list[str]
+    seq_lens: list[int]  # L_i = prompt_len_i + completion_len_i
+    prompt_lens: list[int]
+    rewards: list[float]
+    min_policy_versions: list[int]
+    max_policy_versions: list[int]
+    finish_reasons: list[str]
+    reward_failed: list[str]
+    tokens: np.ndarray = _array("int32")  # concat over trajectories of L_i tokens
+    loss_mask: np.ndarray = _array("uint8")  # concat of completion masks
+    behavior_logprobs: np.ndarray = _array("float32")  # concat of completion logprobs
+    metadata: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def min_policy_version(self) -> int:
+        """The oldest policy that contributed a token: staleness is measured from it."""
+        return min(self.min_policy_versions)
+
+    @property
+    def max_policy_version(self) -> int:
+        return max(self.max_policy_versions)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.loss_mask.nbytes + self.behavior_logprobs.nbytes
+
+    def trajectories(self) -> list[Trajectory]:
+        """Per-sample views into the columnar arrays (no copies)."""
+        out: list[Trajectory] = []
+        tok = comp = 0
+        for i, (length, plen) in enumerate(zip(self.seq_lens, self.prompt_lens, strict=True)):
+            clen = length - plen
+            out.append(
+                Trajectory(
+                    tokens=self.tokens[tok : tok + length],
+                    prompt_len=plen,
+                    loss_mask=self.loss_mask[comp : comp + clen],
+                    behavior_logprobs=self.behavior_logprobs[comp : comp + clen],
+                    reward=self.rewards[i],
+                    min_policy_version=self.min_policy_versions[i],
+                    max_policy_version=self.max_policy_versions[i],
+                    finish_reason=self.finish_reasons[i],
+                    trajectory_id=self.trajectory_ids[i],
+                    reward_failed=self.reward_failed[i],
+                )
+            )
+            tok += length
+            comp += clen
+        return out
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        group_id: str,
+        prompt_id: str,
+        credit_id: int,
+        actor_id: str,
+        seq: int,
+        trajectories: Sequence[Trajectory],
+        metadata: dict[str, Any] | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> Group:
+        """Concatenate per-sample trajectories into the columnar group."""
+        if not trajectories:
+            raise ValueError("a group needs at least one trajectory")
+        return cls(
+            group_id=group_id,
+            prompt_id=prompt_id,
+            credit_id=credit_id,
+            actor_id=actor_id,
+            seq=seq,
+            trajectory_ids=[
+                t.trajectory_id or f"{group_id}/{i}" for i, t in enumerate(trajectories)
+            ],
+            seq_lens=[int(t.tokens.shape[0]) for t in trajectories],
+            prompt_lens=[int(t.prompt_len) for t in trajectories],
+            rewards=[float(t.reward) for t in trajectories],
+            min_policy_versions=[int(t.min_policy_version) for t in trajectories],
+            max_policy_versions=[int(t.max_policy_version) for t in trajectories],
+            finish_reasons=[t.finish_reason for t in trajectories],
+            reward_failed=[t.reward_failed for t in trajectories],
+            tokens=np.concatenate([np.asarray(t.tokens, np.int32) for t in trajectories]),
+            loss_mask=np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in trajectories]),
+            behavior_logprobs=np.concatenate(
+                [np.asarray(t.behavior_logprobs, np.float32) for t in trajectories]
+            ),
+            metadata=dict(metadata or {}),
+            timings=dict(timings or {}),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack:
+    """The hub stored (or had already stored) the group with this per-actor `seq`, and the
+    groups with the `seqs` (one Ack per burst, only to clients whose Hello set batched_acks)."""
+
+    TYPE: ClassVar[str] = "Ack"
+    seq: int
+    credit_id: int = -1
+    seqs: list[int] = _appended(factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRequest:
+    """The learner asks for a batch of `num_groups` groups for training at `policy_version`."""
+
+    TYPE: ClassVar[str] = "SampleRequest"
+    request_id: int
+    policy_version: int
+    num_groups: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """Groups handed to the learner; none staler than η at `policy_version`."""
+
+    TYPE: ClassVar[str] = "Batch"
+    request_id: int
+    policy_version: int
+    groups: tuple[Group, ...]
+    dropped_stale: int = 0  # groups dropped as too stale since the previous batch
+    wait_s: float = 0.0  # how long the request waited at the hub for eligible groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class Version:
+    """The learner finished an optimizer step: this is the new policy version."""
+
+    TYPE: ClassVar[str] = "Version"
+    policy_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Members:
+    """The hub's answer to `Version`: the actors alive now (weight broadcast membership)."""
+
+    TYPE: ClassVar[str] = "Members"
+    policy_version: int
+    actor_ids: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsAnnounce:
+    """New weights are on the way; `announcement` holds the broadcast rendezvous."""
+
+    TYPE: ClassVar[str] = "WeightsAnnounce"
+    policy_version: int
+    plan_hash: str
+    announcement: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsLoaded:
+    """An actor swapped in the weights of `policy_version`."""
+
+    TYPE: ClassVar[str] = "WeightsLoaded"
+    actor_id: str
+    policy_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """A client is alive (sent every heartbeat_interval_s)."""
+
+    TYPE: ClassVar[str] = "Heartbeat"
+    client_id: str
+    policy_version: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatsRequest:
+    """Ask the hub for its counters."""
+
+    TYPE: ClassVar[str] = "StatsRequest"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    """The hub's counters and gauges (see replay/server.py for the keys)."""
+
+    TYPE: ClassVar[str] = "Stats"
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error:
+    """A message was refused; `field` names what was wrong. The connection stays usable."""
+
+    TYPE: ClassVar[str] = "Error"
+    code: str
+    field: str
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bye:
+    """A client leaves (its outstanding credits are re-issued)."""
+
+    TYPE: ClassVar[str] = "Bye"
+    client_id: str
+    reason: str = ""
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Hello,
+    Welcome,
+    Credits,
+    CreditReturn,
+    Group,
+    Ack,
+    SampleRequest,
+    Batch,
+    Version,
+    Members,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Heartbeat,
+    StatsRequest,
+    Stats,
+    Error,
+    Bye,
+)
+Message = (
+    Hello
+    | Welcome
+    | Credits
+    | CreditReturn
+    | Group
+    | Ack
+    | SampleRequest
+    | Batch
+    | Version
+    | Members
+    | WeightsAnnounce
+    | WeightsLoaded
+    | Heartbeat
+    | StatsRequest
+    | Stats
+    | Error
+    | Bye
+)
+
+
+def check_hello(hello: Hello, config_hash: str) -> None:
+    """Refuse a client that speaks another protocol or runs another configuration."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "protocol_version",
+            f"client speaks {hello.protocol_version}, hub speaks {PROTOCOL_VERSION}",
+            "protocol_mismatch",
+        )
+    if hello.config_hash != config_hash:
+        raise ProtocolError(
+            "config_hash",
+            f"client config {hello.config_hash} != hub config {config_hash}",
+            "config_mismatch",
+        )
+    if hello.role not in ROLES:
+        raise ProtocolError("role", f"must be one of {list(ROLES)}, got {hello.role!r}")
+    if not hello.client_id:
+        raise ProtocolError("client_id", "must not be empty")
