@@ -180,11 +180,16 @@ def plot_reward(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
-    """Start everything, show progress until the learner finishes or the budget runs out."""
+def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Start everything, show progress until the learner finishes or the budget runs out.
+
+    With `resume`, the learner continues from the run directory's latest checkpoint (its
+    policy_version included) and metrics.jsonl is appended to.
+    """
     config_path, dataset = prepare(cfg, run_dir)
-    for stale in (run_dir / "hub.endpoint", run_dir / "metrics.jsonl"):
-        stale.unlink(missing_ok=True)
+    (run_dir / "hub.endpoint").unlink(missing_ok=True)
+    if not resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     procs = Processes(run_dir)
     learner_threads, actor_threads = thread_split(cfg)
     start = time.monotonic()
@@ -223,10 +228,17 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
                 ],
                 threads=actor_threads,
             )
-        learner = procs.start(
+        learner_args = [
             "learner",
-            ["learner", "--config", str(config_path), "--hub", endpoint, "--run-dir", str(run_dir)],
-            threads=learner_threads,
+            "--config",
+            str(config_path),
+            "--hub",
+            endpoint,
+            "--run-dir",
+            str(run_dir),
+        ]
+        learner = procs.start(
+            "learner", learner_args + (["--resume"] if resume else []), threads=learner_threads
         )
         next_print = 0.0
         while learner.poll() is None:
@@ -279,6 +291,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="config override, e.g. learner.max_steps=50",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run directory's latest checkpoint"
+    )
     return p.parse_args(list(argv))
 
 
@@ -289,7 +304,7 @@ def main(argv: Sequence[str]) -> int:
     )
     cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.run.run_dir)
-    summary = run(cfg, run_dir, quiet=args.quiet)
+    summary = run(cfg, run_dir, quiet=args.quiet, resume=args.resume)
     if summary.get("steps"):
         print(
             f"done: {summary['steps']} steps in {summary['time_s']:.0f} s; reward {summary['reward_first_tenth']:.3f} "

@@ -67,3 +67,25 @@ def test_run_synchronous_eta0_two_actors(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness_max"] == 0 for r in rows)
     assert len(list(run_dir.glob("actor-*.json"))) == 2
+
+
+@pytest.mark.slow
+def test_resume_continues_the_version_count(tmp_path: Path) -> None:
+    run_dir, proc = _run(tmp_path, "learner.max_steps=3")
+    _check_run(run_dir, proc, steps=3, eta=4)
+    cmd = [
+        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"), "--resume",
+        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        "--set", "learner.max_steps=5",
+    ]  # fmt: skip
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=480)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    assert learner["policy_version"] == 5
+    for path in run_dir.glob("actor-*.json"):
+        status = json.loads(path.read_text())
+        assert (
+            status["policy_version"] == 5 and status["weights_digest"] == learner["weights_digest"]
+        )
