@@ -6,36 +6,36 @@
                                                     |
    main loop, once per generation round:            v  (newest complete version)
      1. swap in received weights  <---------- receiver.poll()   -> WeightsLoaded to hub
-     2. take up to actor.concurrency credits (the window holds the next round's too)
+     2. take up to actor.concurrency credits (the window already holds the next round's)
      3. engine.generate(one request per credit, n = group_size)
-     4. hand the round to the pusher thread and go back to 1 at once
-   pusher thread, one round behind, while the engine generates the next:
-     5. decode, score each sample with the task's verifier (a failing verifier marks the sample)
-     6. push one Group per credit, stamped with the engine's policy_version of its round
+     4. decode all samples at once, score each with the task's verifier (a failing verifier
+        marks the sample), build one columnar Group per credit
+     5. push the groups (the I/O thread sends them; acks come back to it)
    back-pressure: the hub grants credits only as admission allows (η, learner version), so
-   with a small η the actor waits at 2 instead of producing samples that would be dropped; the
-   pusher takes one round at a time, so generation never runs more than a round ahead of it.
+   with a small η the actor waits at 2 instead of producing samples that would be dropped.
 ```
 
 The actor asks the hub for `actor.num_window_credits` credits (2 × concurrency by default) but
 generates at most `concurrency` groups per round: the next round's credits arrive while the
-current round generates, so no hub round trip sits between rounds. Weights are only swapped
-between rounds, so every sample of a round carries min_policy_version == max_policy_version ==
-the engine's version during that round. SIGTERM finishes the current round, pushes it, returns
-unused credits (their prompts are re-issued at once) and says Bye; the exit code is 0.
+current round generates, so no hub round trip sits between rounds. Scoring stays on the main
+thread on purpose: on a scoring thread it overlapped with generation but competed with it for
+the GIL, and the actor loop lost more throughput than it gained (bench/engine.py measures the
+loop against the bare engine). Weights are only swapped between rounds, so every sample of a
+round carries min_policy_version == max_policy_version == the engine's version during that
+round. SIGTERM finishes the current round, pushes it, returns unused credits (their prompts are
+re-issued at once) and says Bye; the exit code is 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
-import queue
 import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +55,6 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
-
-
-@dataclass
-class Round:
-    """One generation round on its way from the engine to the hub."""
-
-    credits: list[CreditItem]
-    requests: list[GenerationRequest]
-    outputs: list[list[Sample]]
-    policy_version: int
-    generate_s: float
 
 
 class Actor:
@@ -105,10 +94,12 @@ class Actor:
             "weights_load_s": 0.0,
             "reward_failures": 0,
             "credits_returned": 0,
+            "wait_weights_s": 0.0,
+            "wall_s": 0.0,
         }
+        self.min_weights_version = 0  # credits need weights at least this new (see run)
+        self.started = time.perf_counter()
         self.eos_id = int(tokenizer.eos_token_id)
-        self.rounds: queue.Queue[Round | None] = queue.Queue(maxsize=1)
-        self.pusher_error: BaseException | None = None
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
 
@@ -123,35 +114,21 @@ class Actor:
     # --- the main loop ------------------------------------------------------------------------
 
     def run(self, max_groups: int = 0) -> None:
-        """Generate until stopped (or `max_groups` generated); then push everything generated,
-        swap in the last received weights and return the credits left unused."""
-        if os.environ.get("XSWITCH"):
-            import sys
-            sys.setswitchinterval(float(os.environ["XSWITCH"]))
-        pusher = threading.Thread(target=self.push_rounds, name="actor-pusher", daemon=True)
-        pusher.start()
+        """Generate until stopped (or `max_groups` generated); then swap in the last received
+        weights and return the credits left unused."""
         generated = 0
-        try:
-            while not self.stop_event.is_set() and self.pusher_error is None:
-                self.swap_weights()
-                credits = self.take_credits()
-                if not credits:
-                    continue
-                rnd = self.generate(credits)
-                if os.environ.get("XSEQ"):
-                    for group in self.make_groups(rnd):
-                        self.conn.send(group)
-                        self.stats["groups_pushed"] += 1
-                else:
-                    self.rounds.put(rnd)  # waits while the pusher is a round behind
-                generated += len(credits)
-                if max_groups and generated >= max_groups:
-                    break
-        finally:
-            self.rounds.put(None)  # the pusher finishes what it holds, then stops
-            pusher.join()
-        if self.pusher_error is not None:
-            raise RuntimeError("the actor's pusher thread failed") from self.pusher_error
+        while not self.stop_event.is_set():
+            self.swap_weights()
+            credits = self.take_credits()
+            if not credits:
+                continue
+            self.wait_for_weights()
+            for group in self.rollout(credits):
+                self.conn.send(group)
+                self.stats["groups_pushed"] += 1
+            generated += len(credits)
+            if max_groups and generated >= max_groups:
+                break
         self.swap_weights()  # the last announced weights, if they arrived meanwhile
         self.return_credits()  # last: the caller closes the connection (Bye) right after
 
@@ -171,14 +148,38 @@ class Actor:
         self.stats["weights_loaded"] += 1
         self.conn.send(WeightsLoaded(actor_id=self.actor_id, policy_version=policy_version))
 
+    def wait_for_weights(self) -> None:
+        """Before generating for credits granted at hub version v, hold weights >= v - η.
+
+        The hub grants credits as soon as the learner's version advances, which is before the
+        new weights reach the actors. A group generated with older weights would only be
+        dropped as stale when sampled (at η = 0, every such group), so waiting here is cheaper;
+        the time is reported as `wait_weights_s`. Bounded by weights.timeout_s: if weights do
+        not come (a failed broadcast), generate anyway and let the hub's bound decide.
+        """
+        need = self.min_weights_version
+        if self.receiver is None or self.engine.policy_version >= need:
+            return
+        start = time.perf_counter()
+        deadline = start + self.cfg.weights.timeout_s
+        while self.engine.policy_version < need and not self.stop_event.is_set():
+            if time.perf_counter() > deadline:
+                print(
+                    f"[{self.actor_id}] no weights >= v{need} within {self.cfg.weights.timeout_s} s; generating with v{self.engine.policy_version}",
+                    flush=True,
+                )
+                break
+            self.receiver.wait_ready(timeout=0.05)
+            self.swap_weights()
+        self.stats["wait_weights_s"] += time.perf_counter() - start
+
     def take_credits(self, timeout_s: float = 0.2) -> list[CreditItem]:
         """Up to `concurrency` held credits; waits (up to timeout_s) only when none is held."""
         self.drain_inbox(0.0)
         if not self.pending:
             start = time.perf_counter()
             self.drain_inbox(timeout_s)
-            if self.pending:
-                self.stats["wait_credit_s"] += time.perf_counter() - start
+            self.stats["wait_credit_s"] += time.perf_counter() - start
         batch = self.cfg.actor.concurrency
         credits, self.pending = self.pending[:batch], self.pending[batch:]
         return credits
@@ -195,14 +196,16 @@ class Actor:
         if isinstance(msg, Credits):
             self.group_size = msg.group_size
             self.pending.extend(msg.items)
+            need = msg.policy_version - self.cfg.replay.max_staleness
+            self.min_weights_version = max(self.min_weights_version, need)
         elif isinstance(msg, Error):
             print(
                 f"[{self.actor_id}] hub refused a message: {msg.code} {msg.field}: {msg.detail}",
                 flush=True,
             )
 
-    def generate(self, credits: list[CreditItem]) -> Round:
-        """One engine call for every credit of the round, stamped with the engine's version."""
+    def rollout(self, credits: list[CreditItem]) -> list[Group]:
+        """One engine call for every credit of the round; then score and package the samples."""
         policy_version = self.engine.policy_version
         requests = [self.request_for(c) for c in credits]
         start = time.perf_counter()
@@ -210,7 +213,7 @@ class Actor:
         gen_s = time.perf_counter() - start
         self.stats["generate_s"] += gen_s
         self.stats["rounds"] += 1
-        return Round(credits, requests, outputs, policy_version, gen_s)
+        return self.make_groups(credits, requests, outputs, policy_version, gen_s)
 
     def request_for(self, credit: CreditItem) -> GenerationRequest:
         prompt_tokens = self.tokenizer(credit.prompt)["input_ids"]
@@ -218,31 +221,26 @@ class Actor:
             self.cfg.actor, prompt_tokens, self.group_size, self.eos_id, credit.seed
         )
 
-    def push_rounds(self) -> None:
-        """The pusher thread: score, package and send each round handed over, in order."""
-        while (rnd := self.rounds.get()) is not None:
-            if self.pusher_error is not None:
-                continue  # drain, so the main loop never blocks on a dead pusher
-            try:
-                for group in self.make_groups(rnd):
-                    self.conn.send(group)
-                    self.stats["groups_pushed"] += 1
-            except BaseException as exc:  # surfaced by the main loop, never swallowed
-                self.pusher_error = exc
-
-    def make_groups(self, rnd: Round) -> list[Group]:
-        """Score every sample of the round (one batched decode) and build one Group per credit."""
+    def make_groups(
+        self,
+        credits: Sequence[CreditItem],
+        requests: Sequence[GenerationRequest],
+        outputs: Sequence[Sequence[Sample]],
+        policy_version: int,
+        gen_s: float,
+    ) -> list[Group]:
+        """Score every sample of a round (one batched decode) and build one Group per credit."""
         start = time.perf_counter()
-        flat = [s.completion_tokens.tolist() for samples in rnd.outputs for s in samples]
+        flat = [s.completion_tokens.tolist() for samples in outputs for s in samples]
         texts = iter(self.tokenizer.batch_decode(flat, skip_special_tokens=False))
         groups = []
-        for credit, request, samples in zip(rnd.credits, rnd.requests, rnd.outputs, strict=True):
+        for credit, request, samples in zip(credits, requests, outputs, strict=True):
             completions = [next(texts) for _ in samples]
-            groups.append(self.make_group(credit, request, samples, completions, rnd))
+            groups.append(self.make_group(credit, request, samples, completions, policy_version))
         reward_s = time.perf_counter() - start
         self.stats["reward_s"] += reward_s
         for group in groups:
-            group.timings["reward_s"] = reward_s / len(groups)
+            group.timings.update(generate_s=gen_s, reward_s=reward_s / len(groups))
         return groups
 
     def make_group(
@@ -251,7 +249,7 @@ class Actor:
         request: GenerationRequest,
         samples: Sequence[Sample],
         completions: Sequence[str],
-        rnd: Round,
+        policy_version: int,
     ) -> Group:
         """The columnar Group of one credit's samples (no per-sample message objects)."""
         results = [
@@ -271,13 +269,12 @@ class Actor:
             trajectory_ids=[f"{group_id}/{i}" for i in range(num)],
             seq_lens=[len(prompt) + n for n in lengths], prompt_lens=[len(prompt)] * num,
             rewards=[r.reward for r in results],
-            min_policy_versions=[rnd.policy_version] * num,
-            max_policy_versions=[rnd.policy_version] * num,
+            min_policy_versions=[policy_version] * num,
+            max_policy_versions=[policy_version] * num,
             finish_reasons=[s.finish_reason for s in samples], reward_failed=failures,
             tokens=np.concatenate([a for s in samples for a in (prompt, s.completion_tokens)]),
             loss_mask=np.ones(sum(lengths), dtype=np.uint8),
             behavior_logprobs=np.concatenate([s.logprobs for s in samples], dtype=np.float32),
-            timings={"generate_s": rnd.generate_s},
         )  # fmt: skip
         self.seq += 1
         return group
@@ -347,6 +344,7 @@ def main(argv: Sequence[str]) -> int:
     stop = threading.Event()  # set by SIGTERM/SIGINT, even while the engine is still starting
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 pid`: stacks to stderr
     overrides = list(args.set) + ([f"actor.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
     from transformers import AutoTokenizer
@@ -389,6 +387,7 @@ def main(argv: Sequence[str]) -> int:
 
 def write_status(path: Path, actor: Actor) -> None:
     """The actor's final state; the digest is of the weights the engine really holds."""
+    actor.stats["wall_s"] = time.perf_counter() - actor.started
     status = {
         "actor_id": actor.actor_id,
         "policy_version": actor.engine.policy_version,

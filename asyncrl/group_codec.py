@@ -210,23 +210,24 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
-    for name, dtype in GROUP_ARRAYS:
-        arr = out[name]
-        if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr, dtype=dtype)
-        out[name] = {"dtype": dtype, "shape": list(arr.shape), "frame": len(frames)}
+    for name, dtype, dtype_name in _ENCODED_ARRAYS:
+        arr = _contiguous(out[name], dtype=dtype)  # the array itself when it already is
+        out[name] = {"dtype": dtype_name, "shape": list(arr.shape), "frame": len(frames)}
         frames.append(payload(arr))
     return out
+
+
+_ENCODED_ARRAYS = tuple((name, np.dtype(dtype), dtype) for name, dtype in GROUP_ARRAYS)
+_contiguous = np.ascontiguousarray
 
 
 def payload(arr: np.ndarray) -> Any:
     """The frame to send for an array: a received frame it views whole is forwarded as is
     (ZeroMQ then shares that message's buffer: no copy, no Python reference tracking)."""
-    if not arr.size:
-        return b""
     base = arr.base
-    if type(base) is memoryview and base.nbytes == arr.nbytes and hasattr(base.obj, "more"):
-        whole = getattr(base.obj, "buffer", None)  # a zmq.Frame; only if the array is all of it
-        if whole is not None and whole.nbytes == arr.nbytes:
-            return base.obj
-    return arr.data
+    if type(base) is memoryview and base.nbytes == arr.nbytes:
+        frame = base.obj
+        whole = getattr(frame, "buffer", None)  # a zmq.Frame; only if the array is all of it
+        if whole is not None and whole.nbytes == arr.nbytes and hasattr(frame, "more"):
+            return frame if arr.nbytes else b""
+    return arr.data if arr.size else b""

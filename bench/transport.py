@@ -42,7 +42,7 @@ import zmq
 
 from asyncrl.config import load_config
 from asyncrl.protocol import Batch, Credits, Group, SampleRequest, Trajectory, encode
-from asyncrl.transport import HubConnection
+from asyncrl.transport import HubConnection, keep_freed_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
@@ -338,6 +338,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
+    keep_freed_buffers()  # as the hub does: this process is the learner and the raw receiver
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]

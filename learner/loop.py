@@ -83,16 +83,19 @@ class Learner:
 
     def train(self, log: MetricsLog) -> None:
         self.publish()  # actors start from the learner's weights (matters after --resume)
+        self.request_batch(self.policy_version)
         while self.step < self.cfg.learner.max_steps and not self.stop_event.is_set():
             batch, wait_s = self.fetch_batch()
             if batch is None:
                 break
+            if self.step + 1 < self.cfg.learner.max_steps:
+                self.request_batch(self.policy_version + 1)  # the hub prepares the next batch now
             start = time.perf_counter()
             metrics = self.optimize(batch)
             step_s = time.perf_counter() - start
             self.policy_version += 1
             self.step += 1
-            self.report_version()
+            self.conn.send(Version(policy_version=self.policy_version))  # Members come back async
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
             log.log(self.step, self.step_metrics(batch, metrics, wait_s, step_s))
@@ -102,17 +105,25 @@ class Learner:
 
     # --- named steps --------------------------------------------------------------------------
 
-    def fetch_batch(self) -> tuple[Batch | None, float]:
-        """Ask the hub for this step's groups; wait until they come (or we are stopped)."""
+    def request_batch(self, policy_version: int) -> None:
+        """Ask the hub for the groups of the step that trains at `policy_version`.
+
+        The next step's request is sent before this step's optimizer work (pipelining): the hub
+        checks staleness against the version the batch will be trained at, adopts it (versions
+        only move forward), and the batch waits in our inbox instead of a round trip.
+        """
         self.request_id += 1
-        start = time.perf_counter()
         self.conn.send(
             SampleRequest(
                 request_id=self.request_id,
-                policy_version=self.policy_version,
+                policy_version=policy_version,
                 num_groups=self.cfg.learner.groups_per_step,
             )
         )
+
+    def fetch_batch(self) -> tuple[Batch | None, float]:
+        """Wait for the batch of the outstanding request (or until we are stopped)."""
+        start = time.perf_counter()
         while not self.stop_event.is_set():
             msg = self.conn.recv(timeout_s=0.2)
             if isinstance(msg, Batch) and msg.request_id == self.request_id:
@@ -204,7 +215,9 @@ class Learner:
         )
 
     def handle_other(self, msg: Any) -> None:
-        if isinstance(msg, Error):
+        if isinstance(msg, Members):
+            self.members = sorted(msg.actor_ids)  # used by the next publication
+        elif isinstance(msg, Error):
             raise RuntimeError(
                 f"hub refused a learner message: {msg.code} {msg.field}: {msg.detail}"
             )
@@ -290,11 +303,11 @@ class Learner:
             self.conn.send(StatsRequest())
             msg = self.conn.recv(timeout_s=1.0)
             if isinstance(msg, Stats):
-                loaded = {
-                    str(k): int(v) for k, v in msg.stats.get("actor_loaded_version", {}).items()
-                }
-                alive = msg.stats.get("actors_alive", list(loaded))
-                if alive and all(loaded.get(a, -1) >= self.policy_version for a in alive):
+                clients = msg.stats.get("clients", {})
+                actors = {k: v for k, v in clients.items() if v.get("role") == "actor"}
+                loaded = {k: int(v.get("loaded_version", -1)) for k, v in actors.items()}
+                alive = [k for k, v in actors.items() if v.get("alive")]
+                if all(loaded[a] >= self.policy_version for a in alive):
                     break
             time.sleep(0.2)
         return loaded

@@ -71,7 +71,7 @@ from asyncrl.protocol import (
     decode,
     encode,
 )
-from asyncrl.transport import NOBLOCK, bind_router, recv_parts, send_parts
+from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts, send_parts
 from replay.admission import CreditBook, allocate, credits_available
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.clients import Client, Parked
@@ -447,6 +447,7 @@ def main(argv: Sequence[str]) -> int:
     dataset = args.dataset or cfg.task.dataset
     if not dataset:
         raise ValueError("asyncrl replay: give --dataset FILE or set task.dataset")
+    keep_freed_buffers()  # before ZeroMQ's I/O thread starts allocating
     hub = Hub(cfg, dataset, bind=args.bind, allow_insecure=args.allow_insecure)
     if args.endpoint_file:
         path = Path(args.endpoint_file)

@@ -12,13 +12,16 @@ with role learner that requests batches) and checks, in order:
    loaded (the hub's stats say so) and later groups carry v, with v's logprobs;
 3. the hub is killed (SIGKILL) and restarted on the same endpoint: the actor keeps going and its
    groups are consumed;
-4. SIGTERM: the actor exits 0, returns its unused credits, and its status file's weights digest
-   is that of the weights it was last sent (read back from the engine).
+4. SIGTERM (sent while the actor holds its full credit window): the actor exits 0, the hub
+   counts exactly the credits the actor says it returned and none stays outstanding, and the
+   status file's weights digest is that of the weights it was last sent (read back from the
+   engine with `named_weights`).
 
 The hub's capacity is small and η out of reach, so the actor never runs far ahead of this
 learner (FIFO sampling then reaches new groups soon) but always holds its full credit window.
 At the `Actor` class level, with a real TorchEngine and a real hub, a verifier that raises or
-returns NaN marks samples `reward_failed` and the actor carries on. Processes are ended by pid.
+returns NaN marks samples `reward_failed` and the actor carries on; credits granted beyond the
+last round are returned. Processes are ended by pid.
 """
 
 from __future__ import annotations
@@ -90,13 +93,17 @@ def python_m(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def end(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    """Signal a process we started (by pid) and reap it; SIGKILL if it lingers."""
+def end(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, dump: bool = False) -> int:
+    """Signal a process we started (by pid) and reap it; SIGKILL if it lingers (after asking
+    it, with `dump`, to write its threads' stacks to its log: actors register SIGUSR1 for it)."""
     if proc.poll() is None:
         os.kill(proc.pid, sig)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
+            if dump:
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(2)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
@@ -318,7 +325,8 @@ def test_sigterm_exits_zero_and_returns_unused_credits(system: System) -> None:
     deadline = time.monotonic() + WAIT_S
     while (drained := holds_window()) is None:
         assert time.monotonic() < deadline, "the actor never held its full credit window"
-    assert end(system.actor, signal.SIGTERM) == 0
+    rc = end(system.actor, signal.SIGTERM, dump=True)
+    assert rc == 0, (system.tmp / "actor.log").read_text()[-5000:]
     for group in drained:
         system.check(group)
     wait_for(lambda: not system.learner.stats()["clients"][ACTOR_ID]["alive"], "the actor's Bye")

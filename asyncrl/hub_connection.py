@@ -1,0 +1,379 @@
+"""`HubConnection`: an actor's or a learner's connection to the hub.
+
+One I/O thread owns the DEALER socket, because ZeroMQ sockets are not thread-safe:
+
+    caller threads                          I/O thread                         hub
+    send(msg) --encode--> outbox --wake-->  send frames (copy=False) -------> ROUTER
+    recv()    <---------- inbox  <--------  decode, track credits/acks <----- Credits, Acks, ...
+    on(T, fn)                   fn(msg) <-- handlers run here (e.g. WeightsAnnounce)
+                                            Heartbeat every heartbeat_interval_s
+
+Back-pressure: a full send pipe (SNDHWM) keeps frames in the I/O thread until the socket can
+take them; the hub's credits bound how many groups an actor can have in flight at all.
+
+Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)):
+- A `Group` stays in `unacked` until the hub acknowledges its seq (`Ack.seq`, or one of
+  `Ack.seqs`: the connection asks for batched acks in its Hello). A client may send a group
+  only for a credit it holds; the credit is spent on send.
+- Hub restart: a new hub answers anything from an unknown routing id with
+  `Error(code="not_registered")`. The connection then sends `Hello` again and, on `Welcome`,
+  re-sends every group still unacked, then its latest `Version` and its unanswered
+  `SampleRequest`. Credits held from the old hub are no longer counted by `credits_held()`, but
+  a group already being generated for one may still be sent once: credit ids carry the hub's
+  incarnation in their high bits, and a hub accepts a group for a credit of another incarnation
+  as completed work (capacity permitting), deduplicated on (actor_id, seq) like any resend.
+  So a completed group is never lost; it is counted twice only if the old hub handed it to the
+  learner but died before its Ack (sent first) left the machine.
+- `Error(code="capacity")` makes the connection re-send its unacked groups one heartbeat later.
+
+Trust: the hub checked every group's array values (token ids, masks, finite logprobs) when the
+group arrived, and a `Batch` forwards those very bytes, so messages from the hub are decoded
+with `check_values=False`: types, sizes and structure are still checked, values not rescanned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from asyncrl.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Batch,
+    Bye,
+    CreditReturn,
+    Credits,
+    Error,
+    Group,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    SampleRequest,
+    Version,
+    WeightsLoaded,
+    Welcome,
+    decode,
+    encode,
+)
+from asyncrl.transport import NOBLOCK, connect_dealer, recv_parts, send_parts
+
+log = logging.getLogger("asyncrl.transport")
+_wake_ids = itertools.count()
+
+
+class HubConnection:
+    """A client of the hub (actor or learner): handshake, credits, acks, heartbeats, resends."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        role: str,
+        client_id: str,
+        config_hash: str,
+        concurrency: int = 0,
+        heartbeat_interval_s: float = 1.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        hwm: int = 10000,
+        auth_dir: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.hello = Hello(
+            role=role,
+            client_id=client_id,
+            protocol_version=PROTOCOL_VERSION,
+            config_hash=config_hash,
+            concurrency=concurrency,
+            batched_acks=True,
+        )
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.max_message_bytes = max_message_bytes
+        self.hwm = hwm
+        self.auth_dir = auth_dir
+        self.welcome: Welcome | None = None
+        self._ctx: zmq.Context | None = None
+        self._lock = threading.Lock()
+        self._outbox: deque[list[Any]] = deque()
+        self._wake_pending = False
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._handlers: dict[type, Callable[[Message], None]] = {}
+        self._held: set[int] = set()  # credits granted by the current hub, not yet used
+        self._retired: set[int] = set()  # credits of a previous hub incarnation, still usable once
+        self._unacked: dict[int, Group] = {}  # seq -> group, in send order
+        self._last_version: Version | None = None
+        self._pending_request: SampleRequest | None = None
+        self._policy_version = 0
+        self._welcomed = threading.Event()
+        self._start_error: ProtocolError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._close_deadline = 0.0
+        self._close_reason = ""
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> Welcome:
+        """Connect, say Hello, wait for Welcome; raises ConnectionError or ProtocolError."""
+        assert self._thread is None, "start() called twice"
+        self._ctx = zmq.Context()
+        dealer = connect_dealer(self._ctx, self.endpoint, self.hello.client_id, hwm=self.hwm,
+                                max_message_bytes=self.max_message_bytes,
+                                heartbeat_s=self.heartbeat_interval_s, auth_dir=self.auth_dir)  # fmt: skip
+        wake = f"inproc://asyncrl-wake-{next(_wake_ids)}"
+        wake_rx = self._ctx.socket(zmq.PAIR)
+        wake_rx.bind(wake)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(wake)
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(dealer, wake_rx),
+            name=f"hub-io-{self.hello.client_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        if not self._welcomed.wait(timeout_s):
+            self.close(timeout_s=0.0)
+            raise ConnectionError(
+                f"no Welcome from the hub at {self.endpoint} within {timeout_s} s"
+            )
+        if self._start_error is not None:
+            self.close(timeout_s=0.0)
+            raise self._start_error
+        assert self.welcome is not None
+        return self.welcome
+
+    def send(self, msg: Message) -> None:
+        """Queue a message for the hub (thread-safe). A Group needs a credit this client holds."""
+        if self._thread is None or self._stop.is_set():
+            raise ConnectionError("HubConnection.send: not started, or closed")
+        frames = encode(msg)
+        with self._lock:
+            if isinstance(msg, Group):
+                self._spend_credit(msg.credit_id)
+                self._unacked[msg.seq] = msg
+            elif isinstance(msg, CreditReturn):
+                self._held.difference_update(msg.credit_ids)
+                self._retired.difference_update(msg.credit_ids)
+            elif isinstance(msg, Version):
+                self._last_version = msg
+            elif isinstance(msg, SampleRequest):
+                self._pending_request = msg
+            if isinstance(msg, (Version, SampleRequest, WeightsLoaded)):
+                self._policy_version = max(self._policy_version, msg.policy_version)
+            self._outbox.append(frames)
+            if not self._wake_pending:
+                self._wake_pending = True
+                self._wake_tx.send(b"")
+
+    def recv(self, timeout_s: float | None = None) -> Message | None:
+        """Next inbound message that no handler claimed (never Ack or Welcome); None on timeout."""
+        try:
+            if timeout_s is not None and timeout_s <= 0:
+                return self._inbox.get_nowait()
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def on(self, msg_type: type, handler: Callable[[Message], None]) -> None:
+        """Run `handler(msg)` on the I/O thread for every inbound message of `msg_type`."""
+        self._handlers[msg_type] = handler
+
+    def credits_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def unacked(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
+    def close(self, reason: str = "", timeout_s: float = 5.0) -> None:
+        """Flush pending sends (bounded by `timeout_s`), say Bye, stop the I/O thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._close_reason = reason
+            self._close_deadline = time.monotonic() + timeout_s
+            self._stop.set()
+            with self._lock:
+                self._wake_tx.send(b"")
+            self._thread.join(timeout_s + 2.0)
+        if self._ctx is not None:
+            if self._thread is not None and not self._thread.is_alive():
+                self._wake_tx.close(linger=0)
+                self._ctx.term()
+            self._ctx = None
+
+    # --- caller-side bookkeeping ----------------------------------------------------------------
+
+    def _spend_credit(self, credit_id: int) -> None:
+        if credit_id in self._held:
+            self._held.discard(credit_id)
+        elif credit_id in self._retired:
+            self._retired.discard(credit_id)
+        else:
+            raise ValueError(f"credit_id {credit_id}: this client holds no such credit")
+
+    # --- the I/O thread -------------------------------------------------------------------------
+
+    def _run(self, dealer: zmq.Socket, wake_rx: zmq.Socket) -> None:
+        self._blocked: deque[list[Any]] = deque()  # frames the socket could not take yet
+        self._resend_at = 0.0
+        self._resend_after_welcome: list[int] = []
+        self._registered = False
+        poller = zmq.Poller()
+        poller.register(wake_rx, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+        self._send_frames(dealer, encode(self.hello))
+        next_beat = time.monotonic() + self.heartbeat_interval_s
+        while not self._stop.is_set():
+            flags = zmq.POLLIN | (zmq.POLLOUT if self._blocked else 0)
+            poller.modify(dealer, flags)
+            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+            events = dict(poller.poll(wait_ms))
+            if wake_rx in events:
+                self._drain_wake(wake_rx)
+            self._flush(dealer)
+            if events.get(dealer, 0) & zmq.POLLIN:
+                self._receive(dealer)
+            now = time.monotonic()
+            if self._resend_at and now >= self._resend_at:
+                self._resend_at = 0.0
+                self._resend_unacked(dealer, None)
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_interval_s
+                beat = Heartbeat(
+                    client_id=self.hello.client_id, policy_version=self._policy_version
+                )
+                self._send_frames(dealer, encode(beat))
+        self._shutdown(dealer, wake_rx)
+
+    def _drain_wake(self, wake_rx: zmq.Socket) -> None:
+        while True:
+            try:
+                wake_rx.recv(NOBLOCK)
+            except zmq.Again:
+                break
+        with self._lock:
+            self._wake_pending = False
+            self._blocked.extend(self._outbox)
+            self._outbox.clear()
+
+    def _flush(self, dealer: zmq.Socket) -> None:
+        while self._blocked:
+            try:
+                send_parts(dealer, self._blocked[0], NOBLOCK)
+            except zmq.Again:
+                return
+            self._blocked.popleft()
+
+    def _send_frames(self, dealer: zmq.Socket, frames: list[Any]) -> None:
+        self._blocked.append(frames)
+        self._flush(dealer)
+
+    def _receive(self, dealer: zmq.Socket) -> None:
+        for _ in range(1000):  # bounded, so sends and heartbeats are not starved
+            try:
+                frames = recv_parts(dealer, NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames, self.max_message_bytes, check_values=False)
+            except ProtocolError as exc:
+                log.warning("%s: undecodable message from the hub: %s", self.hello.client_id, exc)
+                continue
+            self._dispatch(dealer, msg)
+
+    def _dispatch(self, dealer: zmq.Socket, msg: Message) -> None:
+        if isinstance(msg, Ack):
+            with self._lock:
+                unacked = self._unacked
+                unacked.pop(msg.seq, None)
+                for seq in msg.seqs:
+                    unacked.pop(seq, None)
+            return
+        if isinstance(msg, Welcome):
+            self._on_welcome(dealer, msg)
+            return
+        if isinstance(msg, Error) and self._on_error(dealer, msg):
+            return
+        if isinstance(msg, Credits):
+            with self._lock:
+                self._held.update(item.credit_id for item in msg.items)
+        elif isinstance(msg, Batch):
+            with self._lock:
+                if self._pending_request and self._pending_request.request_id == msg.request_id:
+                    self._pending_request = None
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._inbox.put(msg)
+            return
+        try:
+            handler(msg)
+        except Exception:  # a handler bug must not kill the connection
+            log.exception("%s: handler for %s failed", self.hello.client_id, type(msg).__name__)
+
+    def _on_welcome(self, dealer: zmq.Socket, msg: Welcome) -> None:
+        first = self.welcome is None
+        self.welcome = msg
+        self._registered = True
+        if first:
+            self._welcomed.set()
+            return
+        log.info("%s: registered again with the hub", self.hello.client_id)
+        self._resend_unacked(dealer, self._resend_after_welcome)
+        with self._lock:
+            extra = [m for m in (self._last_version, self._pending_request) if m is not None]
+        for m in extra:
+            self._send_frames(dealer, encode(m))
+
+    def _on_error(self, dealer: zmq.Socket, msg: Error) -> bool:
+        """Handle connection-level errors here; True when the caller need not see it."""
+        if self.welcome is None and msg.code != "not_registered":
+            self._start_error = ProtocolError(msg.field, msg.detail, msg.code)
+            self._welcomed.set()
+            return True
+        if msg.code == "capacity":
+            self._resend_at = time.monotonic() + self.heartbeat_interval_s
+            return False
+        if msg.code != "not_registered":
+            return False
+        if self._registered:  # the hub forgot us (restarted): register again once
+            self._registered = False
+            with self._lock:
+                self._retired |= self._held
+                self._held.clear()
+                self._resend_after_welcome = list(self._unacked)
+            log.info(
+                "%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id
+            )
+            self._send_frames(dealer, encode(self.hello))
+        return True
+
+    def _resend_unacked(self, dealer: zmq.Socket, seqs: list[int] | None) -> None:
+        with self._lock:
+            wanted = self._unacked if seqs is None else seqs
+            groups = [self._unacked[s] for s in wanted if s in self._unacked]
+        for group in groups:
+            self._send_frames(dealer, encode(group))
+
+    def _shutdown(self, dealer: zmq.Socket, wake_rx: zmq.Socket) -> None:
+        self._drain_wake(wake_rx)
+        if self.welcome is not None:
+            self._blocked.append(
+                encode(Bye(client_id=self.hello.client_id, reason=self._close_reason))
+            )
+        while self._blocked and time.monotonic() < self._close_deadline:
+            self._flush(dealer)
+            if self._blocked:
+                dealer.poll(10, zmq.POLLOUT)
+        linger_ms = max(0, int((self._close_deadline - time.monotonic()) * 1000))
+        dealer.close(linger=linger_ms)
+        wake_rx.close(linger=0)
