@@ -69,6 +69,7 @@ from asyncrl.transport import NOBLOCK, connect_dealer, recv_parts, send_parts
 
 log = logging.getLogger("asyncrl.transport")
 _wake_ids = itertools.count()
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 class HubConnection:
@@ -233,15 +234,20 @@ class HubConnection:
         poller.register(dealer, zmq.POLLIN)
         self._send_frames(dealer, encode(self.hello))
         next_beat = time.monotonic() + self.heartbeat_interval_s
+        pollout = False  # whether the poller also waits for room in the dealer's send pipe
         while not self._stop.is_set():
-            flags = zmq.POLLIN | (zmq.POLLOUT if self._blocked else 0)
-            poller.modify(dealer, flags)
+            if pollout != bool(self._blocked):
+                pollout = not pollout
+                poller.modify(dealer, POLLIN | POLLOUT if pollout else POLLIN)
             wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
-            events = dict(poller.poll(wait_ms))
-            if wake_rx in events:
-                self._drain_wake(wake_rx)
+            readable = False
+            for sock, event in poller.poll(wait_ms):
+                if sock is wake_rx:
+                    self._drain_wake(wake_rx)
+                elif event & POLLIN:
+                    readable = True
             self._flush(dealer)
-            if events.get(dealer, 0) & zmq.POLLIN:
+            if readable:
                 self._receive(dealer)
             now = time.monotonic()
             if self._resend_at and now >= self._resend_at:

@@ -1,13 +1,10 @@
 """The messages asyncrl processes exchange: one frozen dataclass per message type.
 
-What travels is defined here; how it travels (msgpack header + raw array frames) is the codec in
-asyncrl/protocol.py, which re-exports every name of this module, so `from asyncrl.protocol import
-Group` is the usual spelling. Evolution: fields are only appended, with defaults. A field whose
-metadata says `omit_default` stays off the wire while it holds its default, so appending one
-leaves the bytes of every existing message unchanged (golden bytes in tests/unit/test_protocol.py).
-
-A `Group` is columnar: the token-level arrays of all its trajectories are concatenated, and
-per-trajectory scalars are lists. `Group.trajectories()` gives per-sample views without copying.
+What travels is defined here; how (msgpack header + raw array frames) is asyncrl/protocol.py,
+which re-exports every name of this module (`from asyncrl.protocol import Group`). Fields are
+only appended, with defaults; one made with `_appended` stays off the wire at its default, so
+the bytes of every existing message stay as they were (golden bytes: tests/unit/test_protocol.py).
+A `Group` is columnar: token-level arrays concatenated over its trajectories, scalars as lists.
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ LINGER_MS = 1000
 
 # plain ints: pyzmq's flag enums cost an enum construction per `|` on the per-message path
 NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+# the compiled send itself: zmq.Socket.send only adds DRAFT routing_id/group handling on top
+_send = zmq.backend.Socket.send
 
 
 def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
@@ -37,9 +39,10 @@ def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
     Raises zmq.Again (NOBLOCK, pipe full) only on the first part: ZeroMQ queues the rest of a
     multipart message once its first part is accepted.
     """
-    last = len(parts) - 1
-    for i, part in enumerate(parts):
-        sock.send(part, flags | SNDMORE if i < last else flags, copy=False)
+    more = flags | SNDMORE
+    for part in parts[:-1]:
+        _send(sock, part, more, copy=False)
+    _send(sock, parts[-1], flags, copy=False)
 
 
 def recv_parts(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:

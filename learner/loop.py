@@ -67,6 +67,7 @@ class Learner:
         self.step = 0
         self.request_id = 0
         self.members: list[str] = []
+        self.members_changed = False
         self.stop_event = threading.Event()
         self.start_time = time.time()
         plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
@@ -95,7 +96,8 @@ class Learner:
             step_s = time.perf_counter() - start
             self.policy_version += 1
             self.step += 1
-            self.conn.send(Version(policy_version=self.policy_version))  # Members come back async
+            # Members come back asynchronously; fetch_batch re-publishes if they changed
+            self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
             log.log(self.step, self.step_metrics(batch, metrics, wait_s, step_s))
@@ -124,11 +126,20 @@ class Learner:
     def fetch_batch(self) -> tuple[Batch | None, float]:
         """Wait for the batch of the outstanding request (or until we are stopped)."""
         start = time.perf_counter()
+        next_check = start + 1.0
         while not self.stop_event.is_set():
             msg = self.conn.recv(timeout_s=0.2)
             if isinstance(msg, Batch) and msg.request_id == self.request_id:
                 return msg, time.perf_counter() - start
             self.handle_other(msg)
+            if time.perf_counter() > next_check:
+                # Waiting long: has an actor joined since the last publication? A late joiner
+                # holds old weights and (at small η) waits for fresh ones before generating.
+                self.conn.send(Version(policy_version=self.policy_version))
+                next_check = time.perf_counter() + 1.0
+            if self.members_changed:
+                self.members_changed = False
+                self.publish()
         return None, time.perf_counter() - start
 
     def optimize(self, batch: Batch) -> dict[str, float]:
@@ -194,6 +205,7 @@ class Learner:
             msg = self.conn.recv(timeout_s=0.2)
             if isinstance(msg, Members):
                 self.members = sorted(msg.actor_ids)
+                self.members_changed = False  # the publication that follows includes them
                 return
             self.handle_other(msg)
             if self.stop_event.is_set():
@@ -216,7 +228,9 @@ class Learner:
 
     def handle_other(self, msg: Any) -> None:
         if isinstance(msg, Members):
-            self.members = sorted(msg.actor_ids)  # used by the next publication
+            members = sorted(msg.actor_ids)
+            self.members_changed = self.members_changed or members != self.members
+            self.members = members
         elif isinstance(msg, Error):
             raise RuntimeError(
                 f"hub refused a learner message: {msg.code} {msg.field}: {msg.detail}"

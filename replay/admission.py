@@ -21,9 +21,13 @@ once). `CreditBook` keeps the outstanding credits themselves. No sockets, no clo
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from asyncrl.protocol import CreditItem
+from replay.buffer import ReplayBuffer
 from replay.prompts import PromptSource
+
+K = TypeVar("K")  # whatever names an actor (the hub: its routing id)
 
 
 def credits_available(
@@ -48,13 +52,26 @@ def credits_available(
     return max(0, room)
 
 
-def allocate(total: int, free_slots: Mapping[str, int]) -> dict[str, int]:
+def grantable(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
+              free_slots: Mapping[bytes, int]) -> int:  # fmt: skip
+    """`credits_available` for the state of `buffer`; 0 without asking when no actor has room."""
+    if not any(n > 0 for n in free_slots.values()):
+        return 0
+    return credits_available(
+        policy_version=buffer.policy_version, max_staleness=max_staleness,
+        groups_per_step=groups_per_step, consumed=buffer.num_consumed,
+        ready=buffer.num_unsampled, in_flight=in_flight, stored=len(buffer),
+        capacity=buffer.capacity, insert_room=buffer.insert_room(),
+    )  # fmt: skip
+
+
+def allocate(total: int, free_slots: Mapping[K, int]) -> dict[K, int]:
     """Share `total` credits among actors by free slots (concurrency - outstanding), fairly.
 
     Round-robin one credit at a time over actors with free slots, emptiest first, so a fast
     actor cannot take the whole window while a slow one idles. Actors given nothing are left out.
     """
-    grant: dict[str, int] = {}
+    grant: dict[K, int] = {}
     slots = {actor: n for actor, n in free_slots.items() if n > 0}
     order = sorted(slots, key=lambda actor: (-slots[actor], actor))
     while total > 0 and order:

@@ -1,5 +1,6 @@
-"""What the hub knows about each connected client: identity, role, liveness, the groups it has
-already delivered (dedup), and the acknowledgements it is owed. No sockets, no clock.
+"""What the hub keeps per client: identity, role, liveness, the groups it has already delivered
+(dedup), the acknowledgements it is owed, and the messages its full pipe could not take yet.
+No clock; the one socket use is `Outbox`, which the hub's ROUTER sends through.
 
 Dedup: a client re-sends only groups it has not seen acknowledged, so the hub remembers the last
 `DEDUP_WINDOW` seqs per actor; a re-send of one of those is acknowledged again, not stored.
@@ -13,9 +14,14 @@ any other client gets one `Ack` per group, as protocol version 1 always did.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
 
 from asyncrl.protocol import Ack, Hello, SampleRequest
+from asyncrl.transport import NOBLOCK, send_parts
 
 DEDUP_WINDOW = 65536  # seqs remembered per actor; a client re-sends only groups not yet acked
 
@@ -61,6 +67,61 @@ class Client:
                 "outstanding": outstanding, "silent_s": round(now - self.last_seen, 3)}  # fmt: skip
 
 
+class Registry:
+    """The registered clients by routing id, and the last word on each one that left."""
+
+    def __init__(self) -> None:
+        self.by_identity: dict[bytes, Client] = {}
+        self.departed: dict[str, dict[str, Any]] = {}  # client_id -> its line in the stats
+        self._last_logged: dict[bytes, float] = {}
+        self._owing: list[Client] = []  # clients owed acks since the last acks_due()
+
+    def get(self, identity: bytes) -> Client | None:
+        return self.by_identity.get(identity)
+
+    def add(self, identity: bytes, hello: Hello, now: float) -> Client:
+        client = self.by_identity[identity] = Client.from_hello(identity, hello, now)
+        self.departed.pop(hello.client_id, None)
+        return client
+
+    def remove(self, client: Client, why: str) -> None:
+        self.by_identity.pop(client.identity, None)
+        self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
+                                           "loaded_version": client.loaded_version}  # fmt: skip
+
+    def actors(self) -> list[Client]:
+        return [c for c in self.by_identity.values() if c.role == "actor"]
+
+    def silent(self, now: float, timeout_s: float) -> list[Client]:
+        """Clients not heard from for more than `timeout_s`."""
+        return [c for c in self.by_identity.values() if now - c.last_seen > timeout_s]
+
+    def may_log(self, identity: bytes, now: float) -> bool:
+        """At most one log line per sender per minute."""
+        if now - self._last_logged.get(identity, -1e9) < 60.0:
+            return False
+        self._last_logged[identity] = now
+        return True
+
+    def owe_ack(self, client: Client, seq: int, credit_id: int) -> None:
+        """Acknowledge this group with the others of the current burst."""
+        if not client.owed:
+            self._owing.append(client)
+        client.owed.append((seq, credit_id))
+
+    def acks_due(self) -> list[tuple[bytes, Ack]]:
+        """The acks owed since the last call: (routing id, message), in order."""
+        owing, self._owing = self._owing, []
+        return [(c.identity, ack) for c in owing for ack in c.take_acks()]
+
+    def describe(self, held_by: Callable[[bytes], int], now: float) -> dict[str, Any]:
+        """Every client's line in the hub's stats, departed ones included."""
+        lines = dict(self.departed)
+        for c in self.by_identity.values():
+            lines[c.client_id] = c.describe(held_by(c.identity), now)
+        return lines
+
+
 @dataclass
 class Parked:
     """A sample request waiting for enough eligible groups."""
@@ -68,3 +129,47 @@ class Parked:
     identity: bytes
     request: SampleRequest
     since: float
+
+
+class Outbox:
+    """Sends on the hub's ROUTER without ever blocking the loop: a peer whose pipe is full
+    (SNDHWM) gets a backlog, flushed in order as it drains; a peer that is gone loses what was
+    meant for it (counted in `dropped`)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
+        self.dropped = 0
+
+    def send(self, identity: bytes, frames: list[Any]) -> None:
+        pending = self.backlog.get(identity)
+        if pending:
+            pending.append(frames)
+            return
+        try:
+            send_parts(self.sock, [identity, *frames], NOBLOCK)
+        except zmq.Again:
+            self.backlog.setdefault(identity, collections.deque()).append(frames)
+        except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): the peer is gone
+            self.dropped += 1
+
+    def flush(self) -> None:
+        """Send what the backlogged peers can take now."""
+        for identity in list(self.backlog):
+            pending = self.backlog[identity]
+            while pending:
+                try:
+                    send_parts(self.sock, [identity, *pending[0]], NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    self.dropped += len(pending)
+                    pending.clear()
+                    break
+                pending.popleft()
+            if not pending:
+                del self.backlog[identity]
+
+    def forget(self, identity: bytes) -> None:
+        """A client left: drop its backlog."""
+        self.backlog.pop(identity, None)

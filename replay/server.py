@@ -1,4 +1,4 @@
-"""The hub (`asyncrl replay`): the only code in replay/ that touches sockets.
+"""The hub (`asyncrl replay`): with `Outbox` (replay/clients.py), replay's only socket code.
 
     actors (DEALER)                       hub (one ROUTER, one thread)                learner
     ---------------                       ----------------------------                -------
@@ -25,7 +25,7 @@ Bad input (garbage, truncated frames, wrong protocol, wrong types, NaN, oversize
 held, a message from an unregistered routing id) is answered with `Error(code, field, detail)`
 to its sender only, counted by code, logged at most once per sender per minute; everyone else
 keeps being served. A group for a credit of an earlier hub process (the hub restarted) is
-accepted as completed work; see asyncrl/transport.py for the delivery rule.
+accepted as completed work; see asyncrl/hub_connection.py for the delivery rule.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ from asyncrl.protocol import (
     Welcome,
     check_hello,
     decode,
-    encode,
+    encode,  # fmt: skip
 )
-from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts, send_parts
-from replay.admission import CreditBook, allocate, credits_available
+from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
+from replay.admission import CreditBook, allocate, grantable
 from replay.buffer import InsertResult, ReplayBuffer
-from replay.clients import Client, Parked
+from replay.clients import Client, Outbox, Parked, Registry
 from replay.prompts import PromptSource, load_dataset
 
 log = logging.getLogger("asyncrl.replay")
@@ -98,22 +98,15 @@ class Hub:
         self.credits = CreditBook(self.prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context()
-        self.authenticator = (
-            auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
-        )
-        self.sock, self.endpoint = bind_router(
-            self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure
-        )
-        self.clients: dict[bytes, Client] = {}
+        self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None  # fmt: skip
+        self.sock, self.endpoint = bind_router(self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure)  # fmt: skip
+        self.clients = Registry()
         self.parked: collections.deque[Parked] = collections.deque()
-        self.owing: list[Client] = []  # clients owed acks, sent at the end of receive_all
         self.max_message_bytes = rc.max_message_bytes
-        self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
+        self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
-        self.departed: dict[str, dict[str, Any]] = {}
-        self.last_logged: dict[bytes, float] = {}
         self.dropped_since_batch = 0
         self.running = True
         self.handlers = {
@@ -138,7 +131,7 @@ class Hub:
             while self.running:
                 poller.poll(tick_ms)  # wait for messages or the next tick
                 self.receive_all()  # handle every waiting message, then send their acks
-                self.flush_backlog()  # peers whose pipes were full
+                self.outbox.flush()  # peers whose pipes were full
                 self.expire_dead_clients(time.monotonic())
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
@@ -167,11 +160,8 @@ class Hub:
             except zmq.Again:
                 break
             handle(frames[0].bytes, frames[1:])
-        if self.owing:
-            owing, self.owing = self.owing, []
-            for client in owing:
-                for ack in client.take_acks():
-                    self.send(client.identity, ack)
+        for identity, ack in self.clients.acks_due():
+            self.send(identity, ack)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
@@ -203,9 +193,7 @@ class Hub:
 
     def refuse(self, identity: bytes, exc: ProtocolError) -> None:
         self.errors[exc.code] += 1
-        now = time.monotonic()
-        if now - self.last_logged.get(identity, -1e9) >= 60.0:
-            self.last_logged[identity] = now
+        if self.clients.may_log(identity, time.monotonic()):
             log.warning(
                 "refused a message from %r: %s %s: %s", identity, exc.code, exc.field, exc.detail
             )
@@ -215,10 +203,10 @@ class Hub:
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
         check_hello(msg, self.config_hash)
-        if identity in self.clients:  # a new session under the same routing id ends the old one
-            self.drop_client(self.clients[identity], "replaced")
-        self.clients[identity] = Client.from_hello(identity, msg, time.monotonic())
-        self.departed.pop(msg.client_id, None)
+        old = self.clients.get(identity)
+        if old is not None:  # a new session under the same routing id ends the old one
+            self.drop_client(old, "replaced")
+        self.clients.add(identity, msg, time.monotonic())
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         rc = self.cfg.replay
         self.send(identity, Welcome(client_id=msg.client_id, policy_version=self.policy_version,
@@ -235,7 +223,7 @@ class Hub:
         seq, credit_id = g.seq, g.credit_id
         if seq in client.seen:  # a re-send of a group already taken: ack again, store once
             counters["groups_duplicate"] += 1
-            return self.owe_ack(client, seq, credit_id)
+            return self.clients.owe_ack(client, seq, credit_id)
         current = self.credits.is_current(credit_id)
         if current and not self.credits.holds(client.identity, credit_id):
             raise ProtocolError(
@@ -255,31 +243,23 @@ class Hub:
         elif result is InsertResult.STALE:
             self.dropped([g])
         client.remember(seq)
-        self.owe_ack(client, seq, credit_id)
-
-    def owe_ack(self, client: Client, seq: int, credit_id: int) -> None:
-        """Acknowledge this group at the end of the current burst (receive_all)."""
-        if not client.owed:
-            self.owing.append(client)
-        client.owed.append((seq, credit_id))
+        self.clients.owe_ack(client, seq, credit_id)  # acked at the end of the burst
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
-            raise ProtocolError(
-                "num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}"
-            )
+            raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")  # fmt: skip
         self.adopt_version(msg.policy_version)
         self.parked.append(Parked(client.identity, msg, time.monotonic()))
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
         self.adopt_version(msg.policy_version)
-        actors = sorted(c.client_id for c in self.clients.values() if c.role == "actor")
+        actors = sorted(c.client_id for c in self.clients.actors())
         self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=actors))
 
     def on_weights_announce(self, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
         self.counters["weights_announced"] += 1
-        for actor in [c for c in self.clients.values() if c.role == "actor"]:
-            self.send_frames(actor.identity, list(frames))  # forwarded as received
+        for actor in self.clients.actors():
+            self.outbox.send(actor.identity, list(frames))  # forwarded as received
 
     def on_weights_loaded(self, client: Client, msg: WeightsLoaded, frames: list[Any]) -> None:
         client.loaded_version = max(client.loaded_version, msg.policy_version)
@@ -315,33 +295,22 @@ class Hub:
     def drop_client(self, client: Client, why: str) -> None:
         """A client left or died: its credits expire and their prompts are re-issued."""
         expired = self.credits.expire(client.identity)
-        self.clients.pop(client.identity, None)
+        self.clients.remove(client, why)
         self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
-        self.backlog.pop(client.identity, None)
-        self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
-                                           "loaded_version": client.loaded_version}  # fmt: skip
-        log.info(
-            "%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired
-        )
+        self.outbox.forget(client.identity)
+        log.info("%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired)  # fmt: skip
 
     def expire_dead_clients(self, now: float) -> None:
         timeout = self.cfg.replay.heartbeat_timeout_s
-        for client in [c for c in self.clients.values() if now - c.last_seen > timeout]:
+        for client in self.clients.silent(now, timeout):
             self.drop_client(client, f"silent for more than {timeout} s")
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each."""
         free = {c.identity: c.concurrency - self.credits.held_by(c.identity)
-                for c in self.clients.values() if c.role == "actor"}  # fmt: skip
-        if not any(n > 0 for n in free.values()):
-            return
-        total = credits_available(
-            policy_version=self.policy_version, max_staleness=self.cfg.replay.max_staleness,
-            groups_per_step=self.cfg.learner.groups_per_step, consumed=self.buffer.num_consumed,
-            ready=self.buffer.num_unsampled, in_flight=self.credits.outstanding,
-            stored=len(self.buffer), capacity=self.buffer.capacity,
-            insert_room=self.buffer.insert_room(),
-        )  # fmt: skip
+                for c in self.clients.actors()}  # fmt: skip
+        rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
+        total = grantable(self.buffer, self.credits.outstanding, rc.max_staleness, steps, free)
         for identity, n in allocate(total, free).items():
             items = tuple(self.credits.issue(identity, n))
             self.send(identity, Credits(group_size=self.cfg.actor.group_size,
@@ -368,48 +337,16 @@ class Hub:
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: Message) -> None:
-        self.send_frames(identity, encode(msg))
-
-    def send_frames(self, identity: bytes, frames: list[Any]) -> None:
-        """Send without blocking; a full peer pipe queues to its backlog, a gone peer drops."""
-        pending = self.backlog.get(identity)
-        if pending:
-            pending.append(frames)
-            return
-        try:
-            send_parts(self.sock, [identity, *frames], NOBLOCK)
-        except zmq.Again:
-            self.backlog.setdefault(identity, collections.deque()).append(frames)
-        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
-            self.counters["sends_dropped"] += 1
-
-    def flush_backlog(self) -> None:
-        for identity in list(self.backlog):
-            pending = self.backlog[identity]
-            while pending:
-                try:
-                    send_parts(self.sock, [identity, *pending[0]], NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    self.counters["sends_dropped"] += len(pending)
-                    pending.clear()
-                    break
-                pending.popleft()
-            if not pending:
-                del self.backlog[identity]
+        self.outbox.send(identity, encode(msg))
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
-        now = time.monotonic()
-        clients = dict(self.departed)
-        for c in self.clients.values():
-            clients[c.client_id] = c.describe(self.credits.held_by(c.identity), now)
+        clients = self.clients.describe(self.credits.held_by, time.monotonic())
         counted = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                   "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped")  # fmt: skip
+                   "groups_duplicate", "groups_adopted", "weights_announced")  # fmt: skip
         book = self.credits
         return {
-            **{k: self.counters[k] for k in counted},
+            **{k: self.counters[k] for k in counted}, "sends_dropped": self.outbox.dropped,
             "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
             "credits_expired": book.num_expired, "credits_returned": book.num_returned,
             "policy_version": self.policy_version, "stored": len(self.buffer),
@@ -423,25 +360,19 @@ def main(argv: Sequence[str]) -> int:
     """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
     p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
     p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
-    )
-    p.add_argument(
-        "--bind", default=None, help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0"
-    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override")  # fmt: skip
+    p.add_argument("--bind", default=None,
+                   help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0")  # fmt: skip
     p.add_argument("--dataset", default=None, help="JSONL prompts (overrides task.dataset)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint here")
-    p.add_argument(
-        "--auth", default=None, metavar="DIR", help="CURVE key dir (overrides replay.auth_dir)"
-    )
-    p.add_argument(
-        "--allow-insecure", action="store_true", help="allow a non-loopback bind without auth"
-    )
+    p.add_argument("--auth", default=None, metavar="DIR",
+                   help="CURVE key dir (overrides replay.auth_dir)")  # fmt: skip
+    p.add_argument("--allow-insecure", action="store_true",
+                   help="allow a non-loopback bind without auth")  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(list(argv))
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
     cfg = load_config(args.config, overrides)
     dataset = args.dataset or cfg.task.dataset

@@ -345,3 +345,71 @@ def test_binding_beyond_loopback_needs_auth(tmp_path: Path) -> None:
         sock.close(linger=0)
     finally:
         ctx.term()
+
+
+def raw_actor(hub: HubProcess, client_id: str, batched_acks: bool) -> tuple[object, list]:
+    """A bare DEALER that says Hello like an actor (optionally without batched acks)."""
+    import zmq
+
+    from asyncrl.protocol import PROTOCOL_VERSION, Hello, Welcome, decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub.endpoint)
+    sock.send_multipart(encode(Hello(role="actor", client_id=client_id, protocol_version=PROTOCOL_VERSION,
+                                     config_hash=hub.config_hash, concurrency=6,
+                                     batched_acks=batched_acks)))  # fmt: skip
+    items: list = []
+    while len(items) < 6:
+        assert sock.poll(int(WAIT_S * 1000)), "no Welcome or Credits"
+        msg = decode(sock.recv_multipart())
+        assert isinstance(msg, (Welcome, Credits)), msg
+        items += msg.items if isinstance(msg, Credits) else []
+    return sock, items
+
+
+def test_acks_cover_every_group_batched_only_when_asked(tmp_path: Path, hubs: list) -> None:
+    from asyncrl.protocol import Ack, decode, encode
+
+    hub = HubProcess(tmp_path, ["learner.groups_per_step=8"])  # credits for both actors
+    hubs.append(hub)
+    for batched in (False, True):
+        sock, items = raw_actor(hub, f"raw-{batched}", batched)
+        for seq, item in enumerate(items):  # back to back: the hub may drain them as one burst
+            sock.send_multipart(encode(make_group(f"raw-{batched}", seq, item, 0)))
+        acked: list[int] = []
+        while len(acked) < len(items):
+            assert sock.poll(int(WAIT_S * 1000)), f"acked only {acked}"
+            ack = decode(sock.recv_multipart())
+            if isinstance(ack, Credits):  # refills for the spent credits
+                continue
+            assert isinstance(ack, Ack), ack
+            assert batched or not ack.seqs  # one Ack per group for a client that did not ask
+            acked += [*ack.seqs, ack.seq]
+        assert sorted(acked) == list(range(len(items)))
+        sock.close()
+    learner = hub.connect("learner", "learner")
+    assert stats(learner)["groups_stored"] == 12
+    learner.close()
+
+
+def test_burst_acks_are_one_message_per_batched_client() -> None:
+    from asyncrl.protocol import Ack, Hello
+    from replay.clients import Client
+
+    hello = Hello(
+        role="actor", client_id="a", protocol_version=1, config_hash="h", batched_acks=True
+    )
+    client = Client.from_hello(b"a", hello, now=0.0)
+    client.owed += [(1, 11), (2, 12), (3, 13)]
+    assert client.take_acks() == [Ack(seq=3, credit_id=13, seqs=[1, 2])] and not client.owed
+    client.batched_acks = False
+    client.owed += [(4, 14), (5, 15)]
+    assert client.take_acks() == [Ack(seq=4, credit_id=14), Ack(seq=5, credit_id=15)]
+
+
+def test_transport_reexports_the_connection_and_tunes_malloc_safely() -> None:
+    from asyncrl import hub_connection, transport
+
+    assert transport.HubConnection is hub_connection.HubConnection is HubConnection
+    assert transport.keep_freed_buffers() in (True, False)  # False where libc is not glibc

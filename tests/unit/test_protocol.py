@@ -479,3 +479,60 @@ def test_received_frames_are_forwarded_without_copies() -> None:
                                                      loss_mask=GROUP.loss_mask[:1],
                                                      behavior_logprobs=GROUP.behavior_logprobs[:1]))[1],
                           zmq.Frame)  # fmt: skip
+
+
+# --- appended fields, the group fast path, trusted batches --------------------------------------
+
+
+def test_appended_fields_stay_off_the_wire_at_their_default() -> None:
+    assert "seqs" not in header(Ack(seq=1, credit_id=7))  # golden bytes unchanged
+    batched = Ack(seq=4, credit_id=9, seqs=[1, 2, 3])
+    assert header(batched)["seqs"] == [1, 2, 3]
+    assert same(decode(wire(batched)), batched)
+    hello = GOLDEN_MESSAGES["Hello"]
+    assert "batched_acks" not in header(hello) and decode(wire(hello)).batched_acks is False
+    assert header(dataclasses.replace(hello, batched_acks=True))["batched_acks"] is True
+
+
+def permuted(msg: Any) -> list[bytes]:
+    """The message with its array frames in reverse order (references renumbered): valid, but
+    not the layout `encode` writes, so decoding takes the generic path."""
+    frames = wire(msg)
+    k = len(frames) - 1
+    h = msgpack.unpackb(frames[0])
+    for g in h.get("groups", [h]):
+        for name in ("tokens", "loss_mask", "behavior_logprobs"):
+            g[name]["frame"] = k + 1 - g[name]["frame"]
+    return [msgpack.packb(h), *reversed(frames[1:])]
+
+
+@FAST
+@given(groups())
+def test_fast_and_generic_group_paths_agree(group: Group) -> None:
+    assert same(decode(permuted(group)), group)
+    batch = Batch(request_id=1, policy_version=0, groups=(group, group))
+    assert same(decode(permuted(batch)), batch)
+
+
+def test_fast_path_refuses_what_the_generic_path_refuses() -> None:
+    ref = header(GROUP)["tokens"]
+    assert rejected(edited(GROUP, tokens={**ref, "frame": True})).field == "tokens"
+    assert rejected(edited(GROUP, tokens={**ref, "shape": [5.0]})).field == "tokens"
+    assert rejected(edited(GROUP, rewards=[math.inf])).field == "rewards"
+    assert rejected(edited(GROUP, credit_id=True)).field == "credit_id"
+    assert rejected(edited(GROUP, timings={"t": math.nan})).field == "timings"
+    assert rejected(edited(GROUP, prompt_lens=[6])).field == "prompt_lens"
+    assert rejected(edited(GROUP, max_policy_versions=[1])).field == "min_policy_versions"
+    assert decode(edited(GROUP, rewards=[1])).rewards == [1.0]  # ints are numbers
+
+
+def test_batches_from_the_hub_skip_only_the_value_scan() -> None:
+    frames = wire(GOLDEN_MESSAGES["Batch"])
+    lp = np.frombuffer(frames[3], np.float32).copy()
+    lp[0] = math.nan
+    bad_values = [*frames[:3], lp.tobytes()]
+    assert rejected(bad_values).field == "groups[0].behavior_logprobs"
+    assert math.isnan(decode(bad_values, check_values=False).groups[0].behavior_logprobs[0])
+    with pytest.raises(ProtocolError) as info:
+        decode([*frames[:3], frames[3][:-1]], check_values=False)
+    assert info.value.field == "groups[0].behavior_logprobs"
