@@ -69,6 +69,10 @@ class Engine(Protocol):
         """Copy these Hugging Face-named tensors into the model; then hold `policy_version`."""
         ...
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights the engine holds now, under Hugging Face names (CPU copies)."""
+        ...
+
     def close(self) -> None:
         """Release the engine's resources."""
         ...

@@ -53,6 +53,10 @@ def test_set_overrides_win_over_the_file(tmp_path: Path) -> None:
         ("", ["replay.max_staleness"], "replay.max_staleness"),
         ("", ["max_staleness=1"], "max_staleness"),
         ("replay = 3\n", [], "replay"),
+        ("", ["actor.concurrency=4", "actor.credit_window=2"], "actor.credit_window"),
+        ("", ["actor.temperature=3.0"], "actor.temperature"),
+        ("", ["run.num_actors=0"], "run.num_actors"),
+        ("", ["model.hidden_size=130"], "model.hidden_size"),
     ],
 )
 def test_bad_settings_fail_naming_the_key(
