@@ -202,7 +202,8 @@ def main() -> None:
     from asyncrl.tiny_model import ensure_model
 
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point
-    combos = [(loss, eta, seed) for seed in range(args.seeds) for loss in losses for eta in etas]
+    # interleaved (each η's losses back to back) so slow drifts in machine load hit all alike
+    combos = [(loss, eta, seed) for seed in range(args.seeds) for eta in etas for loss in losses]
     points = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-staleness-") as tmp:
         for i, (loss, eta, seed) in enumerate(combos, 1):
