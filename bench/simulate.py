@@ -2,7 +2,7 @@
 
     python bench/simulate.py calibrate [--measured bench/results/staleness.json]
     python bench/simulate.py predict --world 512 --actors 2048 [--eta 0 1 2 4 8]
-                                     [--assume key=value ...]
+                                     [--assume key=value ...] [--what-if-no-weight-wait]
 
 The model (bench/sim/model.py) drives the hub's real admission and replay-buffer code
 (`replay.admission`, `replay.buffer`) with simulated actors, learner and weight publications.
@@ -10,6 +10,9 @@ The model (bench/sim/model.py) drives the hub's real admission and replay-buffer
 the error per point; `predict` runs the stated `ClusterAssumptions` (bench/sim/cluster.py) for
 each η, repeated over seeds (median/min/max), and writes bench/results/simulate.json and
 bench/results/simulate_world512.png (named after --world). Both record the command.
+The model is asyncrl's behaviour: actors wait for weights >= c - η, the learner pipelines its
+sample request; `--what-if-no-weight-wait` also runs actors that start at once (the earlier
+actor), for comparison.
 """
 
 from __future__ import annotations
@@ -69,9 +72,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                      help="simulations run in parallel processes")  # fmt: skip
     pre.add_argument(
-        "--what-if-wait-for-weights",
+        "--what-if-no-weight-wait",
         action="store_true",
-        help="also simulate actors that wait for their credits' weights version",
+        help="also simulate actors that generate at once with the weights they hold",
     )
     pre.add_argument("--png", default=None, help="plot path (default simulate_world<L>.png)")
     return p.parse_args(list(argv))
@@ -96,7 +99,7 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
 
 
 def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int,
-               wait_for_weights: bool = False) -> SimConfig:  # fmt: skip
+               wait_for_weights: bool = True) -> SimConfig:  # fmt: skip
     """The simulation of one η under the assumptions."""
     plan = a.bucket_plan()
     num_params = plan.total_bytes // a.dtype_bytes
@@ -126,7 +129,7 @@ def _run_one(job: tuple[ClusterAssumptions, int, int, int, int, bool]) -> dict[s
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     """Every η (and the what-if, when asked) over `repeats` seeds, on `jobs` processes."""
     a = assumptions_from(args)
-    variants = [False, True] if args.what_if_wait_for_weights else [False]
+    variants = [True, False] if args.what_if_no_weight_wait else [True]
     warmups = {eta: eta + 4 if args.warmup is None else args.warmup for eta in args.eta}
     jobs = [(a, eta, args.measure, warmups[eta], seed, wait)
             for wait in variants for eta in args.eta for seed in range(args.repeats)]  # fmt: skip
@@ -141,8 +144,8 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
                 r for job, r in zip(jobs, results, strict=True) if job[1] == eta and job[5] == wait
             ]
             rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta]})
-            _print_row(rows[-1], "what-if wait_for_weights: " if wait else "")
-        out["what_if_wait_for_weights" if wait else "predictions"] = rows
+            _print_row(rows[-1], "" if wait else "what-if no weight wait: ")
+        out["predictions" if wait else "what_if_no_weight_wait"] = rows
     out["simulation_wall_s"] = time.perf_counter() - start
     print(
         f"simulated {len(jobs)} runs in {out['simulation_wall_s']:.1f} s on {args.jobs} processes"
@@ -187,18 +190,29 @@ def print_calibration(section: dict[str, Any]) -> None:
         print(f"calibration {section['status']}")
         return
     g = section["generation"]
+    print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
+          f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s")  # fmt: skip
+    for loss, f in section["learner"].items():
+        print(f"learner[{loss}]: {f['overhead_s']:.4g} s + {f['token_s']:.4g} s/token/rank "
+              f"+ {f['outside_s']:.4g} s outside the step")  # fmt: skip
     print(
-        f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
-        f"{g['token_s']:.4g} s/token; learner: {section['learner_overhead_s']:.4g} s + "
-        f"{section['learner_token_s']:.4g} s/token/rank; sync {section['sync_s']:.4g} s"
+        "loss           η | samples/s meas  sim  err  own | learner wait meas sim own | "
+        "actor wait meas sim own | staleness meas sim | drops/step meas sim"
     )
-    print("  η  samples/s meas  sim   rel.err | learner wait meas sim | actor wait meas sim")
     for p in section["points"]:
-        m, s = p["measured"], p["simulated"]
-        print(f"{p['max_staleness']:3d}  {m['samples_per_s']:9.2f} {s['samples_per_s']:8.2f} "
-              f"{p['rel_err_samples_per_s']:+7.1%} | {m['learner_wait_fraction']:17.2f} "
-              f"{s['learner_wait_fraction']:.2f} | {m['actor_wait_fraction']:15.2f} "
-              f"{s['actor_wait_fraction']:.2f}")  # fmt: skip
+        m, s, o = p["measured"], p["simulated"], p["own_times"]
+        print(f"{p['loss']:14s} {p['max_staleness']:d} | {m['samples_per_s']:8.1f} "
+              f"{s['samples_per_s']:6.1f} {p['rel_err_samples_per_s']:+5.0%} "
+              f"{o['rel_err_samples_per_s']:+5.0%} | {m['learner_wait_fraction']:9.2f} "
+              f"{s['learner_wait_fraction']:.2f} {o['simulated']['learner_wait_fraction']:.2f} | "
+              f"{m['actor_wait_fraction']:10.2f} {s['actor_wait_fraction']:.2f} "
+              f"{o['simulated']['actor_wait_fraction']:.2f} | {_fmt(m['mean_staleness'])} "
+              f"{s['mean_staleness']:.2f} | {_fmt(m['groups_dropped_stale_per_step'])} "
+              f"{s['groups_dropped_stale_per_step']:.2f}")  # fmt: skip
+
+
+def _fmt(x: float | None) -> str:
+    return "  -  " if x is None else f"{x:5.2f}"
 
 
 def provenance(argv: Sequence[str]) -> dict[str, Any]:
@@ -247,11 +261,11 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
     med, err = series("samples_per_s")
     ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3, label="asyncrl actors")
-    if "what_if_wait_for_weights" in result:
+    if "what_if_no_weight_wait" in result:
         what_if = [
-            r["metrics"]["samples_per_s"]["median"] for r in result["what_if_wait_for_weights"]
+            r["metrics"]["samples_per_s"]["median"] for r in result["what_if_no_weight_wait"]
         ]
-        ax[0, 0].plot(x, what_if, "k--o", label="what-if: actors wait for weights")
+        ax[0, 0].plot(x, what_if, "k--o", label="what-if: actors do not wait for weights")
         ax[0, 0].legend()
     ax[0, 0].set(title="learner throughput", ylabel="samples / s", xlabel="η (max_staleness)")
     for key, color in (("learner_idle_fraction", "tab:red"), ("actor_idle_fraction", "tab:green")):

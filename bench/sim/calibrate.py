@@ -21,19 +21,36 @@ measured run per staleness bound. Numbers may be plain or `{"median": x, "min": 
       step_tokens              optional: mean tokens (prompt + completion) per learner step
                                (default groups_per_step * group_size * (prompt + mean length))
       sync_s                   optional: mean seconds of one weight publication (default 0)
+      loss                     optional: the loss of the run; learner times are fitted per loss
+      steps                    optional: learner steps of the run (with dropped_stale: the
+                               actor's rounds, for its time outside generation)
+      dropped_stale            optional: groups dropped as stale over the run
       generation_batches       optional: [[seqs, max_len, total_tokens, seconds], ...] per batch
-      steps                    optional: [[tokens, seconds], ...] per learner step
-      (anything else, e.g. `loss`, is ignored)
+      step_records             optional: [[tokens, seconds], ...] per learner step
+      (anything else is ignored)
 
 Free parameters, fitted by non-negative least squares on relative errors:
 - generation: fixed_s, step_s, token_s of `timing.GenerationTime` (a batch's expected longest
-  sample is estimated by resampling the measured lengths at the batch's size);
-- learner: overhead_s and token_s of `timing.LearnerTime` (world from the config);
+  sample is estimated by resampling the measured lengths at the batch's size), one fit for all
+  points (generation does not depend on the loss);
+- learner: overhead_s and token_s of `timing.LearnerTime` (world from the config), per loss
+  (the losses do different work per step);
 - weight sync: the measured mean `sync_s` as one constant per publication.
+
+Two times are not fitted but read off each point's own clock and averaged:
+- the learner's time per step outside its optimizer step and its wait for data (weight
+  snapshot for the publication, the Version message, the metrics log):
+  S / samples_per_s · (1 - learner_wait_fraction) - step_time_s, per loss;
+- the actor's time per round outside engine.generate and its waits (scoring, packing and
+  pushing groups, loading weights): (1 - actor_wait_fraction) · wall / rounds - generate_time_s,
+  with rounds = (steps · B + dropped_stale) / concurrency (full rounds assumed); when a point
+  lacks `steps`, 0.
 
 Output: the fitted parameters, the residuals of both fits, and per point the simulated run
 next to the measured one: relative error of samples/s, absolute (and, where the measured value
-is at least 0.05, relative) error of the learner and actor wait fractions.
+is at least 0.05, relative) error of the learner and actor wait fractions. Each point is also
+simulated with its own measured times (`own_times`: generation, step, sync of that run), which
+separates the event model's error from the time models' fit.
 """
 
 from __future__ import annotations
@@ -73,7 +90,22 @@ class Point:
     step_tokens: float
     sync_s: float
     generation_batches: tuple[tuple[float, float, float, float], ...]
-    steps: tuple[tuple[float, float], ...]
+    step_records: tuple[tuple[float, float], ...]
+    loss: str
+    learner_outside_s: float
+    actor_outside_s: float
+    mean_staleness: float | None
+    dropped_per_step: float | None
+
+
+@dataclass(frozen=True)
+class LearnerFit:
+    """The learner's time model for one loss."""
+
+    overhead_s: float
+    token_s: float
+    outside_s: float
+    """Per step outside the optimizer step and the wait (from the points' own clocks)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +113,8 @@ class Calibration:
     """Fitted time models and how well the simulator then reproduces each point."""
 
     generation: GenerationTime
-    learner_overhead_s: float
-    learner_token_s: float
+    learner: dict[str, LearnerFit]
+    """Per loss."""
     sync_s: float
     generation_fit_rel_err: list[float]
     step_fit_rel_err: list[float]
@@ -90,8 +122,12 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        errs = [abs(p["rel_err_samples_per_s"]) for p in self.points]
-        out["max_abs_rel_err_samples_per_s"] = max(errs) if errs else None
+        for key in ("rel_err_samples_per_s", "abs_err_learner_wait_fraction",
+                    "abs_err_actor_wait_fraction"):  # fmt: skip
+            errs = [abs(p[key]) for p in self.points]
+            out[f"max_abs_{key}"] = max(errs) if errs else None
+            own = [abs(p["own_times"][key]) for p in self.points]
+            out[f"own_times_max_abs_{key}"] = max(own) if own else None
         return out
 
 
@@ -114,27 +150,46 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
         merged.setdefault(section, {}).update(values)
     merged.setdefault("replay", {})["max_staleness"] = eta
     cfg = from_dict(_known_keys(merged))
-    lengths = tuple(int(x) for x in raw.get("response_lengths") or ())
+    lengths = tuple(max(1, round(float(x))) for x in raw.get("response_lengths") or ())
     if not lengths or min(lengths) < 1:
         raise ValueError(f"{where}.response_lengths: need lengths >= 1 token")
     prompt = _num(raw, "prompt_tokens", where)
     seqs = _num(raw, "generate_batch_seqs", where, cfg.actor.concurrency * cfg.actor.group_size)
     tokens = cfg.samples_per_step * (prompt + float(np.mean(lengths)))
+    samples_per_s = _num(raw, "samples_per_s", where)
+    period = cfg.samples_per_step / samples_per_s
+    step_s = _num(raw, "step_time_s", where)
+    learner_wait = _num(raw, "learner_wait_fraction", where)
+    actor_wait = _num(raw, "actor_wait_fraction", where)
+    generate_s = _num(raw, "generate_time_s", where)
+    actor_outside = 0.0
+    if isinstance(raw.get("steps"), (int, float)) and raw["steps"] > 1:
+        n = float(raw["steps"])
+        dropped = _num(raw, "dropped_stale", where, 0.0)
+        rounds = (n * cfg.learner.groups_per_step + dropped) / cfg.actor.concurrency
+        actor_outside = max(0.0, (1 - actor_wait) * n * period / rounds - generate_s)
     return Point(
         cfg=cfg,
         max_staleness=eta,
-        samples_per_s=_num(raw, "samples_per_s", where),
-        learner_wait_fraction=_num(raw, "learner_wait_fraction", where),
-        actor_wait_fraction=_num(raw, "actor_wait_fraction", where),
-        step_time_s=_num(raw, "step_time_s", where),
-        generate_time_s=_num(raw, "generate_time_s", where),
+        samples_per_s=samples_per_s,
+        learner_wait_fraction=learner_wait,
+        actor_wait_fraction=actor_wait,
+        step_time_s=step_s,
+        generate_time_s=generate_s,
         response_lengths=lengths,
         prompt_tokens=prompt,
         batch_seqs=seqs,
         step_tokens=_num(raw, "step_tokens", where, tokens),
         sync_s=_num(raw, "sync_s", where, 0.0),
         generation_batches=tuple(tuple(map(float, b)) for b in raw.get("generation_batches", ())),
-        steps=tuple(tuple(map(float, s)) for s in raw.get("steps", ())),
+        step_records=tuple(tuple(map(float, s)) for s in raw.get("step_records", ())),
+        loss=str(raw.get("loss", "")),
+        learner_outside_s=max(0.0, period * (1 - learner_wait) - step_s),
+        actor_outside_s=actor_outside,
+        mean_staleness=_num(raw, "staleness_mean", where) if "staleness_mean" in raw else None,
+        dropped_per_step=_num(raw, "dropped_stale", where) / float(raw["steps"])
+        if isinstance(raw.get("steps"), (int, float)) and "dropped_stale" in raw
+        else None,
     )
 
 
@@ -210,7 +265,7 @@ def fit_learner(points: Sequence[Point]) -> tuple[float, float, list[float]]:
         rows.append([1.0, p.step_tokens / p.cfg.learner.world])
         target.append(p.step_time_s)
     for p in points:
-        for tokens, seconds in p.steps:
+        for tokens, seconds in p.step_records:
             rows.append([1.0, tokens / p.cfg.learner.world])
             target.append(seconds)
     a, b = np.asarray(rows), np.asarray(target)
@@ -220,49 +275,71 @@ def fit_learner(points: Sequence[Point]) -> tuple[float, float, list[float]]:
 
 
 def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60,
-                   warmup_steps: int = 10) -> SimConfig:  # fmt: skip
-    """The simulated counterpart of a measured point under a calibration."""
+                   warmup_steps: int = 10, own_times: bool = False) -> SimConfig:  # fmt: skip
+    """The simulated counterpart of a measured point under a calibration (or, with
+    `own_times`, under the point's own measured generation, step and sync times)."""
     lengths = LengthModel(
         measured=point.response_lengths,
         max_tokens=max(point.response_lengths),
         prompt_tokens=round(point.prompt_tokens),
     )
+    fit = cal.learner[point.loss]
     learner = LearnerTime(
         world=point.cfg.learner.world,
-        overhead_s=cal.learner_overhead_s,
-        token_s=cal.learner_token_s,
+        overhead_s=fit.overhead_s,
+        token_s=fit.token_s,
+        snapshot_s=fit.outside_s,
     )
-    sync = WeightSync(num_buckets=1, bucket_latency_s=cal.sync_s)
+    generation = dataclasses.replace(
+        cal.generation, fixed_s=cal.generation.fixed_s + point.actor_outside_s
+    )
+    sync_s = cal.sync_s
+    if own_times:
+        generation = GenerationTime(fixed_s=point.generate_time_s + point.actor_outside_s)
+        learner = LearnerTime(overhead_s=point.step_time_s + point.learner_outside_s)
+        sync_s = point.sync_s
     return SimConfig.from_run_config(
         point.cfg,
         num_steps=num_steps,
         warmup_steps=warmup_steps,
         lengths=lengths,
-        generation=cal.generation,
+        generation=generation,
         learner=learner,
-        sync=sync,
+        sync=WeightSync(num_buckets=1, bucket_latency_s=sync_s),
     )
 
 
 def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10) -> Calibration:
     """Fit the time models, then simulate every point and compare."""
     gen, gen_errs = fit_generation(points)
-    overhead, token_s, step_errs = fit_learner(points)
+    learner: dict[str, LearnerFit] = {}
+    step_errs = [0.0] * len(points)
+    for loss in sorted({p.loss for p in points}):
+        idx = [i for i, p in enumerate(points) if p.loss == loss]
+        overhead, token_s, errs = fit_learner([points[i] for i in idx])
+        outside = float(np.mean([points[i].learner_outside_s for i in idx]))
+        learner[loss] = LearnerFit(overhead, token_s, outside)
+        for i, e in zip(idx, errs, strict=True):
+            step_errs[i] = e
     sync_s = float(np.mean([p.sync_s for p in points]))
-    cal = Calibration(gen, overhead, token_s, sync_s, gen_errs, step_errs, [])
+    cal = Calibration(gen, learner, sync_s, gen_errs, step_errs, [])
     for p in points:
         sim = simulate(sim_config_for(p, cal, num_steps, warmup_steps))
-        cal.points.append(_compare(p, sim.to_dict()))
+        own = simulate(sim_config_for(p, cal, num_steps, warmup_steps, own_times=True))
+        cal.points.append(_compare(p, sim.to_dict()) | {"own_times": _compare(p, own.to_dict())})
     return cal
 
 
 def _compare(p: Point, sim: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "max_staleness": p.max_staleness,
+        "loss": p.loss,
         "measured": {
             "samples_per_s": p.samples_per_s,
             "learner_wait_fraction": p.learner_wait_fraction,
             "actor_wait_fraction": p.actor_wait_fraction,
+            "mean_staleness": p.mean_staleness,
+            "groups_dropped_stale_per_step": p.dropped_per_step,
         },
         "simulated": {
             "samples_per_s": sim["samples_per_s"],
@@ -270,6 +347,8 @@ def _compare(p: Point, sim: dict[str, Any]) -> dict[str, Any]:
             "actor_wait_fraction": sim["actor_idle_fraction"],
             "staleness_histogram": sim["staleness_histogram"],
             "groups_dropped_stale": sim["groups_dropped_stale"],
+            "mean_staleness": sim["mean_staleness"],
+            "groups_dropped_stale_per_step": sim["groups_dropped_stale"] / sim["steps"],
         },
         "rel_err_samples_per_s": sim["samples_per_s"] / p.samples_per_s - 1.0,
     }

@@ -11,6 +11,18 @@
                                 non-blocking                  v += 1, Version(v), publish
 ```
 
+Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`):
+
+- An actor holding credits granted at hub version c waits, at its generation boundary, until it
+  holds weights >= c - η (`Actor.wait_for_weights`); the wait counts as idle. (The real actor
+  waits for exactly that version; with `publish_every` > 1 the simulator rounds it down to a
+  published one.) `wait_for_weights=False` models the earlier actor that starts at once.
+- The learner pipelines its request (`Learner.train`): on receiving the batch it trains at
+  version v it asks at once for the next one with version v + 1, so the hub adopts v + 1
+  (dropping what is stale w.r.t. it, opening admission) while step v runs; a batch served
+  meanwhile waits in the learner's inbox. `pipeline_requests=False` models a learner that asks
+  only after its step.
+
 Event loop: a heap of (time, priority, serial, handler). At equal times, completed weight
 syncs run first, then finished generations, then finished learner steps, then actors starting
 their next batch, so an actor that starts at the instant new weights land uses them and takes
@@ -77,10 +89,13 @@ class SimConfig:
     """Steps excluded from the measurements (start-up transient)."""
     seed: int = 0
     """Seed of the response-length sampler and of the prompt source."""
-    wait_for_weights: bool = False
-    """What-if, not asyncrl's actor today: an actor holding credits issued at hub version c
-    waits for weights >= c before starting the batch (the generation AReaL's window assumes).
-    False = asyncrl's actor, which starts at once with whatever weights it has loaded."""
+    wait_for_weights: bool = True
+    """asyncrl's actor: one that received credits issued at hub version c holds weights
+    >= c - η before it generates (waiting for the broadcast). False = the earlier actor, which
+    starts at once with whatever weights it has loaded."""
+    pipeline_requests: bool = True
+    """asyncrl's learner: the request for step k+1 (version v+1) goes out as soon as batch k
+    arrives. False = a learner that requests (version v+1) only after its step."""
     lengths: LengthModel = field(default_factory=LengthModel)
     generation: GenerationTime = field(default_factory=GenerationTime)
     learner: LearnerTime = field(default_factory=LearnerTime)
@@ -170,7 +185,8 @@ class Simulation:
         self.group_tokens: dict[tuple[str, int], int] = {}
         self.policy_version = 0
         self.steps_done = 0
-        self.waiting_since: float | None = None
+        self.waiting_since: float | None = None  # None while a step runs
+        self.inbox: list[Any] | None = None  # a batch that came while a step ran
         self.weights = _Publisher()
         self.track = Tracker(num_actors=cfg.num_actors, max_staleness=cfg.max_staleness)
 
@@ -179,7 +195,8 @@ class Simulation:
     def run(self) -> SimResult:
         """Simulate until step `num_steps` ends; measure over the window."""
         self.track.begin(self.cfg.warmup_steps)
-        self.learner_request()
+        self.waiting_since = 0.0
+        self.learner_request(self.policy_version)
         self.hub_tick()
         while self.steps_done < self.cfg.num_steps:
             if not self.events:
@@ -199,14 +216,17 @@ class Simulation:
 
     def hub_tick(self) -> None:
         """The hub's loop after a message: grant credits, serve the parked request."""
-        for actor_id, credits in self.hub.grant().items():
-            actor = self.by_id[actor_id]
-            actor.held.extend(credits)
-            self.wake(actor)
-        batch = self.hub.serve()
-        if batch is not None:
-            self.learner_start(batch)
-            self.hub_tick()  # groups dropped while sampling may have freed admission room
+        while True:
+            for actor_id, credits in self.hub.grant().items():
+                actor = self.by_id[actor_id]
+                actor.held.extend(credits)
+                need = credits[-1].policy_version - self.cfg.max_staleness
+                actor.min_weights = max(actor.min_weights, need)
+                self.wake(actor)
+            batch = self.hub.serve()
+            if batch is None:
+                return
+            self.learner_receive(batch)  # then grant again: sampling may have freed room
 
     # --- actors ---------------------------------------------------------------------------------
 
@@ -219,7 +239,7 @@ class Simulation:
         """Generation boundary: swap in the newest weights, take every held credit."""
         actor.start_pending = False
         if self.cfg.wait_for_weights:
-            needed = max(c.policy_version for c in actor.held)
+            needed = actor.min_weights
             needed -= needed % self.cfg.publish_every  # only these versions are published
             if self.weights.available < needed:
                 self.weights.waiters.append(actor)
@@ -252,13 +272,23 @@ class Simulation:
 
     # --- learner --------------------------------------------------------------------------------
 
-    def learner_request(self) -> None:
-        self.waiting_since = self.now
-        self.hub.park(self.policy_version, self.cfg.groups_per_step)
+    def learner_request(self, policy_version: int) -> None:
+        """A SampleRequest for the step that trains at `policy_version`."""
+        self.hub.park(policy_version, self.cfg.groups_per_step)
+
+    def learner_receive(self, groups: list[Any]) -> None:
+        """The hub sent a batch: train on it now, or keep it in the inbox while a step runs."""
+        if self.waiting_since is None:
+            assert self.inbox is None, "a second batch came while a step was running"
+            self.inbox = groups
+        else:
+            self.learner_start(groups)
 
     def learner_start(self, groups: list[Any]) -> None:
-        assert self.waiting_since is not None, "a batch came without a request"
+        assert self.waiting_since is not None, "a step started while another was running"
         wait_s, self.waiting_since = self.now - self.waiting_since, None
+        if self.cfg.pipeline_requests and self.steps_done + 1 < self.cfg.num_steps:
+            self.learner_request(self.policy_version + 1)  # the hub prepares the next batch
         tokens = sum(self.group_tokens.pop((g.actor_id, g.seq)) for g in groups)
         staleness = [self.policy_version - g.min_policy_version for g in groups]
         seconds = self.cfg.learner.seconds(tokens)
@@ -268,7 +298,7 @@ class Simulation:
         self.at(self.now + seconds, PRIO_STEP_DONE, self.learner_done)
 
     def learner_done(self, _arg: Any = None) -> None:
-        """v += 1, report it, publish (non-blocking), ask for the next batch."""
+        """v += 1, report it, publish (non-blocking), take the next batch (or ask for it)."""
         self.policy_version += 1
         self.steps_done += 1
         self.hub.adopt_version(self.policy_version)
@@ -276,7 +306,12 @@ class Simulation:
             self.publish(self.policy_version)
         self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)
         if self.steps_done < self.cfg.num_steps:
-            self.learner_request()
+            self.waiting_since = self.now
+            if not self.cfg.pipeline_requests:
+                self.learner_request(self.policy_version)
+            if self.inbox is not None:
+                batch, self.inbox = self.inbox, None
+                self.learner_start(batch)
             self.hub_tick()
 
     # --- weights --------------------------------------------------------------------------------
@@ -312,6 +347,7 @@ class _Actor:
     start_pending: bool = False
     version: int = 0
     seq: int = 0
+    min_weights: int = 0  # the weights version its credits require (c - η, the largest c)
 
 
 class _LengthPool:

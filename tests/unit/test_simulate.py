@@ -4,7 +4,9 @@ Expected numbers come from the algebra of each case, never from the simulator. T
 dyadic (1.0, 1.5, 0.5, 0.25) so every sum the simulator forms is exact in floating point and
 the results compare with `==`. Notation: one actor with concurrency = B groups per step, group
 size 2, so S = 2B samples per step; constant generation time g per batch, step time s, weight
-sync d.
+sync d. By default the actor waits for weights >= c - η for credits granted at hub version c and
+the learner asks for batch k+1 (version v+1) as soon as batch k arrives (pipelined request);
+`OLD` turns both off, the earlier behaviour, whose algebra the first cases were derived for.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ B, GROUP_SIZE = 4, 2
 S = B * GROUP_SIZE
 WARMUP, STEPS = 8, 20
 MEASURED = STEPS - WARMUP
+OLD = {"wait_for_weights": False, "pipeline_requests": False}
 
 
 def one_actor(eta: int, g: float, s: float, d: float = 0.0, **kw: object) -> SimConfig:
@@ -70,23 +73,42 @@ def test_async_generation_bound(eta: int) -> None:
 
 
 @pytest.mark.parametrize("eta", [1, 2, 4])
-def test_async_learner_bound(eta: int) -> None:
-    # s > g: admission lets batch k start only at version k - η, so it carries version k - η
-    # and is consumed at version k: staleness exactly η; it is ready in time since g <= η·s
+def test_async_learner_bound_unpipelined(eta: int) -> None:
+    # s > g, learner asking after its step: admission lets batch k start only at version k - η,
+    # so it carries version k - η and is consumed at version k: staleness exactly η; it is ready
+    # in time since g <= η·s
     g, s = 1.0, 1.5
-    r = simulate(one_actor(eta, g, s))
+    r = simulate(one_actor(eta, g, s, **OLD))
     assert r.samples_per_s == S / s
     assert r.learner_idle_fraction == 0.0
     assert r.actor_idle_fraction == (s - g) / s
     assert r.staleness_histogram == [0] * eta + [MEASURED * B]
 
 
+def test_pipelined_learner_bound_regenerates_the_window_end() -> None:
+    # η = 1, 2g <= s: at the start of step k (weights k just landed) the request for k+1 makes
+    # the hub adopt k+1 and serve batch k+1, which the actor made during step k-1 with weights
+    # k-1 (staleness 1). Admission then opens batch k+2 at once, one step earlier than the
+    # weights it needs: made with weights k it would be consumed at k+2 (staleness 2), so the
+    # adoption of k+2 at the next step's start drops it (B groups) and the actor makes it again
+    # with weights k+1 while that step runs. So every step trains on staleness-1 groups, drops
+    # B and keeps the actor busy 2g of s; the last step sends no request, so its actor idles
+    # throughout, and the learner's final Version drops that step's window-end batch.
+    g, s = 0.5, 1.5
+    r = simulate(one_actor(1, g, s))
+    assert r.samples_per_s == S / s
+    assert r.learner_idle_fraction == 0.0
+    assert r.actor_idle_fraction == ((MEASURED - 1) * (s - 2 * g) + s) / (MEASURED * s)
+    assert r.staleness_histogram == [0, MEASURED * B]
+    assert r.groups_dropped_stale == MEASURED * B
+
+
 def test_eta0_with_slow_sync_regenerates_every_batch() -> None:
-    # credits come with Version(v+1) but weights v+1 land d later: the batch started at once
-    # carries v, arrives stale (1 > 0), is dropped and regenerated with v+1 (d < g), so a step
-    # costs g + s + g and drops B groups
+    # the earlier actor and learner: credits come with Version(v+1) but weights v+1 land d
+    # later: the batch started at once carries v, arrives stale (1 > 0), is dropped and
+    # regenerated with v+1 (d < g), so a step costs g + s + g and drops B groups
     g, s, d = 1.0, 0.5, 0.25
-    r = simulate(one_actor(0, g, s, d))
+    r = simulate(one_actor(0, g, s, d, **OLD))
     assert r.samples_per_s == S / (2 * g + s)
     assert r.learner_idle_fraction == 2 * g / (2 * g + s)
     assert r.actor_idle_fraction == s / (2 * g + s)
@@ -95,17 +117,34 @@ def test_eta0_with_slow_sync_regenerates_every_batch() -> None:
     assert r.sync_s == d and r.mean_sync_latency_s == d
 
 
-def test_what_if_actor_waits_for_weights() -> None:
-    # the same case when the actor waits for the credits' version: a step costs g + s + d
+def test_eta0_without_weight_wait_pipelined() -> None:
+    # pipelined learner, actor not waiting: the credits for step k+1 come at the step's start;
+    # the batch made at once with weights v is stale on arrival at g, dropped, and made again
+    # with v+1 (landed at s + d <= g): a step costs 2g and drops B groups
     g, s, d = 1.0, 0.5, 0.25
-    r = simulate(one_actor(0, g, s, d, wait_for_weights=True))
+    r = simulate(one_actor(0, g, s, d, wait_for_weights=False))
+    assert r.samples_per_s == S / (2 * g)
+    assert r.learner_idle_fraction == (2 * g - s) / (2 * g)
+    assert r.groups_dropped_stale == MEASURED * B
+    assert r.staleness_histogram == [MEASURED * B]
+
+
+def test_actor_waits_for_weights() -> None:
+    # asyncrl's actor in the same case waits for the credits' version (c - η = c at η = 0):
+    # a step costs g + s + d and nothing is dropped
+    g, s, d = 1.0, 0.5, 0.25
+    r = simulate(one_actor(0, g, s, d))
     assert r.samples_per_s == S / (g + s + d)
+    assert r.learner_idle_fraction == (g + d) / (g + s + d)
     assert r.groups_dropped_stale == 0
 
 
 def test_capacity_bound_comes_from_replay_admission(monkeypatch: pytest.MonkeyPatch) -> None:
     # capacity = B with η = 4 and concurrency 2B: admission caps stored + in flight at B, so the
-    # actor regenerates only after the learner took the last batch: staleness 1, not η = 4
+    # actor regenerates only after the learner took the last batch. The pipelined request takes
+    # batch k+1 out at the start of step k, when weights k have just landed, so batch k+2 is
+    # made then with weights k and consumed at k+2: staleness 2 (1 for a learner asking after
+    # its step), not η = 4
     calls: list[dict[str, int]] = []
     real = admission.credits_available
 
@@ -116,7 +155,7 @@ def test_capacity_bound_comes_from_replay_admission(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(admission, "credits_available", spy)
     g, s = 1.0, 1.5
     r = simulate(one_actor(4, g, s, capacity_groups=B, concurrency=2 * B))
-    assert r.staleness_histogram == [0, MEASURED * B, 0, 0, 0]
+    assert r.staleness_histogram == [0, 0, MEASURED * B, 0, 0]
     assert r.samples_per_s == S / s
     assert calls and all(c["stored"] + c["in_flight"] <= B for c in calls)
     assert all(c["capacity"] == B and c["max_staleness"] == 4 for c in calls)
