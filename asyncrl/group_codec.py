@@ -64,45 +64,16 @@ def decode_group(
         return None
     if not (
         type(gid) is str and type(pid) is str and type(aid) is str and type(cid) is int
-        and type(seq) is int and type(tids) is list and type(seq_lens) is list
-        and type(prompt_lens) is list and type(rewards) is list and type(lo) is list
-        and type(hi) is list and type(finish) is list and type(failed) is list
+        and type(seq) is int and type(rewards) is list
+        and _lists_ok(seq_lens, prompt_lens, lo, hi, tids, finish, failed, len(rewards))
     ):  # fmt: skip
         return None
-    n = len(seq_lens)
-    if not n or not (
-        len(tids) == len(prompt_lens) == len(rewards) == len(lo) == len(hi) == len(finish)
-        == len(failed) == n
-    ):  # fmt: skip
-        return None
-    if {*map(type, tids), *map(type, finish), *map(type, failed)} != _STR:
-        return None
-    if {*map(type, seq_lens), *map(type, prompt_lens), *map(type, lo), *map(type, hi)} != _INT:
-        return None
-    kinds = set(map(type, rewards))
-    if kinds != _FLOAT:
-        if not kinds <= _NUM:
-            return None
-        rewards = list(map(float, rewards))
-    # a sum is finite iff every term is (overflow aside, which the generic path sorts out)
-    if not _isfinite(sum(rewards)) or not _FINISH.issuperset(finish):
-        return None
-    if min(prompt_lens) < 0 or min(lo) < 0:
-        return None
-    if any(map(int.__lt__, seq_lens, prompt_lens)) or any(map(int.__gt__, lo, hi)):
-        return None
-    metadata = data["metadata"] if "metadata" in data else {}
-    timings = data["timings"] if "timings" in data else {}
-    if type(metadata) is not dict or type(timings) is not dict:
-        return None
-    if timings and not (set(map(type, timings.values())) <= _NUM and _isfinite(sum(timings.values()))):  # fmt: skip
+    rewards, extras = _finite_rewards(rewards), _extras(data)
+    if rewards is None or extras is None:
         return None
     num_tokens = sum(seq_lens)
     arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
-    if arrays is None:
-        return None
-    tokens, mask, lp = arrays
-    if values and not _values_ok(tokens, mask, lp):
+    if arrays is None or (values and not _values_ok(*arrays)):
         return None
     k = len(used) + 1
     used.update((k, k + 1, k + 2))
@@ -110,10 +81,55 @@ def decode_group(
     g.__dict__.update(
         group_id=gid, prompt_id=pid, credit_id=cid, actor_id=aid, seq=seq, trajectory_ids=tids,
         seq_lens=seq_lens, prompt_lens=prompt_lens, rewards=rewards, min_policy_versions=lo,
-        max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=tokens,
-        loss_mask=mask, behavior_logprobs=lp, metadata=metadata, timings=timings,
+        max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
+        loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
     )  # fmt: skip
     return g
+
+
+def _lists_ok(seq_lens: Any, prompt_lens: Any, lo: Any, hi: Any, tids: Any, finish: Any,
+              failed: Any, n_rewards: int) -> bool:  # fmt: skip
+    """The per-trajectory lists: lists, one entry per trajectory, of the right types and ranges."""
+    if not (
+        type(seq_lens) is list and type(prompt_lens) is list and type(lo) is list
+        and type(hi) is list and type(tids) is list and type(finish) is list
+        and type(failed) is list
+    ):  # fmt: skip
+        return False
+    n = len(seq_lens)
+    if not n or not (
+        len(tids) == len(prompt_lens) == n_rewards == len(lo) == len(hi) == len(finish)
+        == len(failed) == n
+    ):  # fmt: skip
+        return False
+    if {*map(type, tids), *map(type, finish), *map(type, failed)} != _STR:
+        return False
+    if {*map(type, seq_lens), *map(type, prompt_lens), *map(type, lo), *map(type, hi)} != _INT:
+        return False
+    if not _FINISH.issuperset(finish) or min(prompt_lens) < 0 or min(lo) < 0:
+        return False
+    return not (any(map(int.__lt__, seq_lens, prompt_lens)) or any(map(int.__gt__, lo, hi)))
+
+
+def _finite_rewards(rewards: list[Any]) -> list[float] | None:
+    kinds = set(map(type, rewards))
+    if kinds != _FLOAT:
+        if not kinds <= _NUM:
+            return None
+        rewards = list(map(float, rewards))
+    # a sum is finite iff every term is (overflow aside, which the generic path sorts out)
+    return rewards if _isfinite(sum(rewards)) else None
+
+
+def _extras(data: dict[str, Any]) -> tuple[dict, dict] | None:
+    """(metadata, timings), defaults filled in, if they are maps (timings of finite numbers)."""
+    metadata = data["metadata"] if "metadata" in data else {}
+    timings = data["timings"] if "timings" in data else {}
+    if type(metadata) is not dict or type(timings) is not dict:
+        return None
+    if timings and not (set(map(type, timings.values())) <= _NUM and _isfinite(sum(timings.values()))):  # fmt: skip
+        return None
+    return metadata, timings
 
 
 def _arrays(rt: Any, rm: Any, rl: Any, num_tokens: int, num_completion: int,

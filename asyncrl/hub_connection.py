@@ -174,7 +174,7 @@ class HubConnection:
             self._outbox.append(frames)
             if not self._wake_pending:
                 self._wake_pending = True
-                self._wake_tx.send(b"")
+                self._wake()
 
     def recv(self, timeout_s: float | None = None) -> Message | None:
         """Next inbound message that no handler claimed (never Ack or Welcome); None on timeout."""
@@ -204,7 +204,7 @@ class HubConnection:
             self._close_deadline = time.monotonic() + timeout_s
             self._stop.set()
             with self._lock:
-                self._wake_tx.send(b"")
+                self._wake()
             self._thread.join(timeout_s + 2.0)
         if self._ctx is not None:
             if self._thread is not None and not self._thread.is_alive():
@@ -213,6 +213,14 @@ class HubConnection:
             self._ctx = None
 
     # --- caller-side bookkeeping ----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """Wake the I/O thread; never blocks (the thread may have stopped and closed its end,
+        in which case there is nobody to wake: a blocking send would wait forever)."""
+        try:
+            self._wake_tx.send(b"", NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already pending, or the I/O thread is gone
 
     def _spend_credit(self, credit_id: int) -> None:
         if credit_id in self._held:

@@ -6,17 +6,24 @@ noise hits every variant alike:
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
                (`SampleRequest` -> `Batch`, two requests in flight) and decodes every batch.
-               Two hops, full validation on both, acks and credits included.
+               Two hops, acks and credits included; the hub validates every group in full,
+               the learner checks structure and sizes (the hub scanned the values already).
 - `raw`:       a PUSH process sends the same frames (encoded header + three array buffers) to a
                PULL socket in this process: one hop, no validation. `ratio` = hub / raw.
 - `raw_relay`: the same through a `zmq.proxy` forwarder process: two hops at C speed, the
-               honest floor for any hub (reported as `ratio_vs_relay`).
+               ceiling for any two-hop hub (reported as `ratio_vs_relay`).
+
+Every process that receives is set up as the hub sets itself up: `keep_freed_buffers()` (here,
+for learner and raw receiver alike, and in the relay), so received buffers are recycled rather
+than page-faulted in afresh (asyncrl/transport.py); `gc.freeze()` after start-up here and in
+the actor.
 
 Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repetition; the
 clock runs in this process from "go" to the last group received. Besides wall-clock rates, each
 variant reports the CPU time all its processes spent per group (user + system, ZeroMQ I/O
 threads and kernel included): on a shared machine that is the steadier number, and the hub's
-is split by process (actor, hub, learner). Writes bench/results/transport.json.
+is split by process (actor, hub, learner). The load average is recorded with every
+repetition. Writes bench/results/transport.json.
 
     python bench/transport.py [--reps 5] [--bytes-per-rep 268435456] [--sizes 32768,...]
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -92,6 +100,7 @@ def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: i
     conn = HubConnection(endpoint, role="actor", client_id=client_id, config_hash=config_hash,
                          concurrency=concurrency)  # fmt: skip
     conn.start()
+    gc.freeze()  # as the hub does: long-lived objects out of the collector's way
     ready.set()
     go.wait()
     cpu_start = time.process_time()
@@ -131,6 +140,7 @@ def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready
 
 
 def relay_main(front: str, back: str) -> None:
+    keep_freed_buffers()  # as the hub: it too holds received messages until they are sent on
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(front)
@@ -284,6 +294,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     learner.start()
     times: dict[str, list[float]] = {name: [] for name in VARIANTS if name in args.variants}
     cpus: dict[str, list[float]] = {name: [] for name in times}
+    loads: list[float] = []  # 1-minute load average after each measured repetition
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
@@ -294,9 +305,11 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                 if rep:
                     times[name].append(elapsed)
                     cpus[name].append(cpu_s / count * 1e6)
+                    loads.append(os.getloadavg()[0])
                 parts = hub["cpu_parts"][-1] if name == "hub" else {}
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
                       f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
+                      f"load {os.getloadavg()[0]:4.2f} "
                       + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
     finally:
         learner.close()
@@ -315,7 +328,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
         "hub_groups_per_s_stats": summary(gps["hub"]), "hub_gbps_stats": summary(gbps["hub"]),
         "raw_gbps_stats": summary(gbps["raw"]), "raw_relay_gbps_stats": summary(gbps["raw_relay"]),
-        "ratio_stats": summary(ratios), "hub_overrides": overrides,
+        "ratio_stats": summary(ratios), "ratio_vs_relay_stats": summary(relay_ratios),
+        "loadavg_1min": summary(loads), "hub_overrides": overrides,
         "cpu_us_per_group": {name: summary(v) for name, v in cpus.items()},
         "hub_cpu_us_per_group_by_process": {
             k: summary([p[k] for p in hub["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
@@ -339,6 +353,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
     keep_freed_buffers()  # as the hub does: this process is the learner and the raw receiver
+    gc.freeze()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]
