@@ -356,6 +356,7 @@ def main() -> None:
     gc.freeze()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
+    env = environment()  # before the run: its load average is the one at the start
     results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]
     out = {
         "benchmark": "transport",
@@ -367,7 +368,7 @@ def main() -> None:
             "prompt_tokens": PROMPT_TOKENS,
             "transport": "tcp loopback",
         },
-        **environment(),
+        **env,
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

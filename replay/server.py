@@ -378,7 +378,7 @@ def main(argv: Sequence[str]) -> int:
     dataset = args.dataset or cfg.task.dataset
     if not dataset:
         raise ValueError("asyncrl replay: give --dataset FILE or set task.dataset")
-    os.environ.get("XNOKEEP") or keep_freed_buffers()  # before ZeroMQ's I/O thread starts allocating
+    keep_freed_buffers()  # before ZeroMQ's I/O thread starts allocating
     hub = Hub(cfg, dataset, bind=args.bind, allow_insecure=args.allow_insecure)
     if args.endpoint_file:
         path = Path(args.endpoint_file)
