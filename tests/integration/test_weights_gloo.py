@@ -59,11 +59,13 @@ class Fleet:
         self, model_dir: Path, actor_ids: list[str], bucket_bytes: int = BUCKET_BYTES
     ) -> None:
         ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
+        # one outbox per receiver: a receiver killed mid-put can only tear its own pipe
+        self.outboxes = {a: ctx.Queue() for a in actor_ids}
         self.inboxes = {a: ctx.Queue() for a in actor_ids}
         self.procs = {
             a: ctx.Process(
-                target=_receiver_main, args=(str(model_dir), a, bucket_bytes, q, self.outbox)
+                target=_receiver_main,
+                args=(str(model_dir), a, bucket_bytes, q, self.outboxes[a]),
             )
             for a, q in self.inboxes.items()
         }
@@ -97,7 +99,7 @@ class Fleet:
                 return msg
         while True:
             try:
-                msg = self.outbox.get(timeout=2 * TIMEOUT_S)
+                msg = self.outboxes[actor].get(timeout=2 * TIMEOUT_S)
             except queue.Empty:
                 raise AssertionError(
                     f"no {kind} message from {actor} (stash: {self._stash})"
