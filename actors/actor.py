@@ -11,8 +11,9 @@
      4. decode all samples at once, score each with the task's verifier (a failing verifier
         marks the sample), build one columnar Group per credit
      5. push the groups (the I/O thread sends them; acks come back to it)
-   back-pressure: the hub grants credits only as admission allows (η, learner version), so
-   with a small η the actor waits at 2 instead of producing samples that would be dropped.
+   back-pressure: the hub grants credits only as admission allows (η, the learner's version and
+   the version this actor reported loading), so with a small η the actor waits at 2 instead of
+   producing samples that would be dropped; weights arriving meanwhile wake it (1, then 2).
 ```
 
 The actor asks the hub for `actor.num_window_credits` credits (2 × concurrency by default) but
@@ -102,6 +103,7 @@ class Actor:
         self.eos_id = int(tokenizer.eos_token_id)
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
+            receiver.on_ready = conn.interrupt  # an actor idle without credits swaps at once
 
     def on_announce(self, msg: WeightsAnnounce) -> None:
         """On the I/O thread: hand the rendezvous to the receiver (a bad one is reported)."""
@@ -149,7 +151,8 @@ class Actor:
         self.conn.send(WeightsLoaded(actor_id=self.actor_id, policy_version=policy_version))
 
     def wait_for_weights(self) -> None:
-        """Before generating for credits granted at hub version v, hold weights >= v - η.
+        """Before generating for credits granted at hub version v, hold weights >= v - η
+        (rounded down to a version the learner publishes: every learner.publish_every-th).
 
         The hub grants credits as soon as the learner's version advances, which is before the
         new weights reach the actors. A group generated with older weights would only be
@@ -196,7 +199,8 @@ class Actor:
         if isinstance(msg, Credits):
             self.group_size = msg.group_size
             self.pending.extend(msg.items)
-            need = msg.policy_version - self.cfg.replay.max_staleness
+            need = max(0, msg.policy_version - self.cfg.replay.max_staleness)
+            need -= need % self.cfg.learner.publish_every  # only these versions are published
             self.min_weights_version = max(self.min_weights_version, need)
         elif isinstance(msg, Error):
             print(

@@ -69,6 +69,7 @@ from asyncrl.transport import NOBLOCK, connect_dealer, recv_parts, send_parts
 
 log = logging.getLogger("asyncrl.transport")
 _wake_ids = itertools.count()
+_INTERRUPT: Any = object()  # put into the inbox by interrupt(); recv() returns None for it
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
@@ -106,7 +107,7 @@ class HubConnection:
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
         self._wake_pending = False
-        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # and _INTERRUPT
         self._handlers: dict[type, Callable[[Message], None]] = {}
         self._held: set[int] = set()  # credits granted by the current hub, not yet used
         self._retired: set[int] = set()  # credits of a previous hub incarnation, still usable once
@@ -177,13 +178,20 @@ class HubConnection:
                 self._wake()
 
     def recv(self, timeout_s: float | None = None) -> Message | None:
-        """Next inbound message that no handler claimed (never Ack or Welcome); None on timeout."""
+        """Next inbound message that no handler claimed (never Ack or Welcome); None on timeout
+        or when `interrupt()` woke the wait."""
         try:
             if timeout_s is not None and timeout_s <= 0:
-                return self._inbox.get_nowait()
-            return self._inbox.get(timeout=timeout_s)
+                msg = self._inbox.get_nowait()
+            else:
+                msg = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        return None if msg is _INTERRUPT else msg
+
+    def interrupt(self) -> None:
+        """Wake a `recv()` that is waiting (thread-safe): it returns None at once."""
+        self._inbox.put(_INTERRUPT)
 
     def on(self, msg_type: type, handler: Callable[[Message], None]) -> None:
         """Run `handler(msg)` on the I/O thread for every inbound message of `msg_type`."""

@@ -48,6 +48,7 @@ from actors.rewards.base import safe_score  # noqa: E402
 from actors.rewards.sort_verifier import make_verifier  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.tiny_model import ensure_model  # noqa: E402
+from learner.loop import make_adamw  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,9 +61,7 @@ def run_minimal(config: RunConfig, max_wall_s: float, max_steps: int) -> list[di
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[config.model.dtype])
     engine = TorchEngine.from_model(model, tokenizer, seed=config.run.seed)
     prompts, verifier = make_prompts(config.task), make_verifier(config.task)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay
-    )
+    optimizer = make_adamw(model, config.learner.lr, config.learner.weight_decay)  # as the learner
     rng = random.Random(config.run.seed)
     history: list[dict] = []
     start = time.perf_counter()

@@ -8,9 +8,8 @@
 and writes each value to TensorBoard event files under `<run_dir>/tb/`: numbers as scalars,
 lists as histograms (e.g. the staleness of every group in the step's batch). The JSON line is
 flushed on every call, so a crash loses nothing already logged and `tail -f` sees each step as
-it happens; TensorBoard events are written by a background thread and flushed within about a
-second (building event protos cost ~6 ms a step on the training thread, most of a tiny step's
-overhead), and `close()` drains them. Opening the log again on the same run directory appends (a resumed run continues
+it happens; TensorBoard gets one event per step (all of the step's values in one summary),
+written by a background thread and flushed within about a second, and `close()` drains them. Opening the log again on the same run directory appends (a resumed run continues
 the same file; TensorBoard orders by step).
 
 Values: ints and floats (bools count as ints), or lists/tuples of numbers. A non-finite number
@@ -33,7 +32,10 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-from torch.utils.tensorboard import SummaryWriter
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from torch.utils.tensorboard.summary import histogram
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -51,7 +53,7 @@ class MetricsLog:
         self.path = self.run_dir / METRICS_FILE
         """The JSON-lines file, one object per logged step."""
         self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
-        self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
+        self._writer = EventFileWriter(str(self.run_dir / TB_DIR))
         self._tb_queue: queue.Queue[tuple[dict[str, Value], int, float] | None] = queue.Queue()
         self._tb_thread = threading.Thread(
             target=self._tb_loop, name="asyncrl-tensorboard", daemon=True
@@ -103,19 +105,24 @@ class MetricsLog:
                 return
             if item:
                 clean, step, wall = item
-                for key, value in clean.items():
-                    self._write_tb(key, value, step, wall)
+                summary = _summary(clean)
+                self._writer.add_event(Event(wall_time=wall, step=step, summary=summary))
             if self._tb_queue.empty() or time.monotonic() - last_flush > 1.0:
                 self._writer.flush()
                 last_flush = time.monotonic()
 
-    def _write_tb(self, key: str, value: float | int | list[float], step: int, wall: float) -> None:
+
+def _summary(clean: dict[str, float | int | list[float]]) -> Summary:
+    """All of one step's values in one summary: numbers as scalars, lists as histograms."""
+    summary = Summary()
+    for key, value in clean.items():
         if isinstance(value, list):
             finite = np.asarray([v for v in value if math.isfinite(v)], dtype=np.float64)
             if finite.size:
-                self._writer.add_histogram(key, finite, step, walltime=wall)
-            return
-        self._writer.add_scalar(key, float(value), step, walltime=wall)
+                summary.value.extend(histogram(key, finite, bins="auto").value)
+        else:
+            summary.value.add(tag=key, simple_value=float(value))
+    return summary
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -12,6 +12,15 @@ entering `consumed`, so they free their slot and their prompt is generated again
 this is the synchronous baseline: B credits, then nothing until the learner has taken those B
 groups *and* reported the next version.
 
+The version in that rule is the one the groups will be generated with: a credit granted to an
+actor that still holds weights w < v can only produce groups stamped w, which the learner may
+take no later than version w + η. So each actor's share is bounded by the window at
+min(v, w_actor) (`grant`), and actors holding the newest weights are served first. With the
+learner's version alone, the last groups of every window would be generated with weights one
+version too old and dropped as stale on arrival at the learner (at η = 1 about 45 % of all
+generated groups on the embedded default). An actor that has reported no weights holds the
+initial ones (version 0).
+
 Three more limits: the buffer's capacity (stored + in flight never exceeds it, so a group that
 arrives with a valid credit always has room), the buffer's reuse limiter (`insert_room`), and the
 actors' own concurrency (an actor never holds more credits than it said it can generate at
@@ -52,35 +61,62 @@ def credits_available(
     return max(0, room)
 
 
-def grantable(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
-              free_slots: Mapping[bytes, int]) -> int:  # fmt: skip
-    """`credits_available` for the state of `buffer`; 0 without asking when no actor has room."""
-    if not any(n > 0 for n in free_slots.values()):
-        return 0
+def room(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
+         policy_version: int) -> int:  # fmt: skip
+    """`credits_available` for the state of `buffer`, with the window at `policy_version`."""
     return credits_available(
-        policy_version=buffer.policy_version, max_staleness=max_staleness,
+        policy_version=policy_version, max_staleness=max_staleness,
         groups_per_step=groups_per_step, consumed=buffer.num_consumed,
         ready=buffer.num_unsampled, in_flight=in_flight, stored=len(buffer),
         capacity=buffer.capacity, insert_room=buffer.insert_room(),
     )  # fmt: skip
 
 
-def allocate(total: int, free_slots: Mapping[K, int]) -> dict[K, int]:
+def generation_version(hub_version: int, loaded_version: int) -> int:
+    """The version an actor's next groups are generated with, as far as the hub can tell:
+    what it reported loading (-1 = nothing reported yet: the initial weights, version 0),
+    never above the learner's."""
+    return min(hub_version, max(loaded_version, 0))
+
+
+def grant(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
+          free_slots: Mapping[K, int], versions: Mapping[K, int]) -> dict[K, int]:  # fmt: skip
+    """New credits per actor: `allocate` with each actor capped by the window at its version.
+
+    `versions[actor]` is `generation_version(...)` of each actor in `free_slots`.
+    """
+    free = {actor: n for actor, n in free_slots.items() if n > 0}
+    if not free:
+        return {}
+    rooms = {u: room(buffer, in_flight, max_staleness, groups_per_step, u)
+             for u in {versions[actor] for actor in free}}  # fmt: skip
+    caps = {actor: rooms[versions[actor]] for actor in free}
+    return allocate(max(caps.values()), free, caps)
+
+
+def allocate(
+    total: int, free_slots: Mapping[K, int], caps: Mapping[K, int] | None = None
+) -> dict[K, int]:
     """Share `total` credits among actors by free slots (concurrency - outstanding), fairly.
 
     Round-robin one credit at a time over actors with free slots, emptiest first, so a fast
-    actor cannot take the whole window while a slow one idles. Actors given nothing are left out.
+    actor cannot take the whole window while a slow one idles. With `caps`, an actor gets a
+    credit only while fewer than `caps[actor]` credits have been dealt in all (its own
+    admission window, see `grant`), and actors with larger caps come first: the result then
+    depends only on the first `total` actors in that order. Actors given nothing are left out.
     """
     grant: dict[K, int] = {}
     slots = {actor: n for actor, n in free_slots.items() if n > 0}
-    order = sorted(slots, key=lambda actor: (-slots[actor], actor))
-    while total > 0 and order:
+    cap = {actor: min(total, caps[actor]) if caps is not None else total for actor in slots}
+    order = sorted(slots, key=lambda actor: (-cap[actor], -slots[actor], actor))
+    dealt = 0
+    while dealt < total and order:
         still = []
         for actor in order:
-            if total == 0:
-                break
+            if dealt >= cap[actor]:
+                break  # caps only fall along the order: nobody after this one gets a credit
             grant[actor] = grant.get(actor, 0) + 1
-            total -= 1
+            dealt += 1
             if grant[actor] < slots[actor]:
                 still.append(actor)
         order = still

@@ -15,8 +15,8 @@
     WeightsLoaded, Heartbeat, Bye ------> liveness; a dead actor's credits are re-issued
 
 Back-pressure: actors generate only with credits, and credits are issued only while
-`replay.admission` allows (the learner's version moves the window), so a slow learner makes
-actors wait instead of producing groups that would go stale; the learner waits (its request is
+`replay.admission` allows (the learner's version moves the window; an actor's share is bounded
+by the window at the weights it holds, from WeightsLoaded), so a slow learner makes actors wait instead of producing groups that would go stale; the learner waits (its request is
 parked) while too few fresh groups exist. Sends never block the loop: a peer whose pipe is full
 gets a backlog, flushed as it drains. Groups are forwarded to the learner without copying their
 arrays (the received frames themselves go out again).
@@ -72,7 +72,7 @@ from asyncrl.protocol import (
     encode,  # fmt: skip
 )
 from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
-from replay.admission import CreditBook, allocate, grantable
+from replay.admission import CreditBook, generation_version, grant
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
 from replay.prompts import PromptSource, load_dataset
@@ -306,12 +306,20 @@ class Hub:
             self.drop_client(client, f"silent for more than {timeout} s")
 
     def grant_credits(self) -> None:
-        """Top up each actor's credit window as far as admission allows, one message each."""
-        free = {c.identity: c.concurrency - self.credits.held_by(c.identity)
-                for c in self.clients.actors()}  # fmt: skip
+        """Top up each actor's credit window as far as admission allows, one message each.
+
+        Each actor's share is bounded by the window at the version it will generate with
+        (`replay.admission.grant`), which it reports in WeightsLoaded and heartbeats.
+        """
+        actors = list(self.clients.actors())
+        free = {c.identity: c.concurrency - self.credits.held_by(c.identity) for c in actors}
+        if not any(n > 0 for n in free.values()):
+            return
+        versions = {c.identity: generation_version(self.policy_version, c.loaded_version)
+                    for c in actors}  # fmt: skip
         rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
-        total = grantable(self.buffer, self.credits.outstanding, rc.max_staleness, steps, free)
-        for identity, n in allocate(total, free).items():
+        plan = grant(self.buffer, self.credits.outstanding, rc.max_staleness, steps, free, versions)
+        for identity, n in plan.items():
             items = tuple(self.credits.issue(identity, n))
             self.send(identity, Credits(group_size=self.cfg.actor.group_size,
                                         policy_version=self.policy_version, items=items))  # fmt: skip

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -115,6 +115,9 @@ class WeightReceiver:
         self._handed_out: list[torch.Tensor] | None = None
         self._closed = False
         self._stats = ReceiverStats()
+        self.on_ready: Callable[[], None] | None = None
+        """Called on the receiver thread each time new weights are ready for `poll()` (e.g. to
+        wake a caller blocked elsewhere); must be quick and must not call back into `self`."""
         self.last_error = ""
         """Why the last receive failed ("" if none did)."""
         self._group: BroadcastGroup | None = None
@@ -255,6 +258,8 @@ class WeightReceiver:
             self._ready = (int(ann["policy_version"]), buffers)
             self._stats = replace(self._stats, num_received=self._stats.num_received + 1)
             self._cond.notify_all()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def _join(self, ann: Mapping[str, Any]) -> None:
         self._drop_group()

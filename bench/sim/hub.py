@@ -4,17 +4,26 @@
 functions in the same order, so a change of the admission rule or of the buffer's staleness
 policy changes the simulation too:
 
-- `on_group`      = `Hub.on_group`: `ReplayBuffer.insert`; the credit is released; a group stale
-                    on arrival is dropped and its prompt re-issued.
-- `adopt_version` = `Hub.adopt_version`: `ReplayBuffer.drop_stale`, prompts re-issued.
-- `grant`         = `Hub.grant_credits`: `replay.admission.credits_available` over the buffer's
-                    counters, shared with `replay.admission.allocate` by free slots.
-- `serve`         = `Hub.serve_parked`: `ReplayBuffer.sample` (all-or-nothing, η enforced).
+- `on_group`       = `Hub.on_group`: `ReplayBuffer.insert`; the credit is released; a group
+                     stale on arrival is dropped and its prompt re-issued.
+- `adopt_version`  = `Hub.adopt_version`: `ReplayBuffer.drop_stale`, prompts re-issued.
+- `weights_loaded` = `Hub.on_weights_loaded`: the newest version an actor reported loading.
+- `grant`          = `Hub.grant_credits` (`replay.admission.grant`): each actor's credits are
+                     capped by `replay.admission.room`, the AReaL window over the buffer's
+                     counters at the version the actor will generate with
+                     (`replay.admission.generation_version`), and dealt by free slots with
+                     `replay.admission.allocate`, actors with the largest cap first.
+- `serve`          = `Hub.serve_parked`: `ReplayBuffer.sample` (all-or-nothing, η enforced).
+
+So an actor still holding weights w while the learner is at v > w gets credits only while the
+window at w has room: a group it generates is stamped w and must be consumed by version w + η.
 
 The admission functions are looked up on the `replay.admission` module at call time, so a test
-may wrap them. Groups are real `asyncrl.protocol.Group` objects: one built with `Group.build` per
-policy version (tiny arrays, `group_size` samples) and reused with each group's own identity; their
-lengths live in the simulator, which only needs them for timing.
+may wrap them. `grant` asks `room` once per distinct actor version and hands `allocate` only the
+actors that can receive a credit (`FreeSlots`), the identical grant in O(total log A) with
+thousands of actors. Groups are real `asyncrl.protocol.Group` objects: one built with
+`Group.build` per policy version (tiny arrays, `group_size` samples) and reused with each group's
+own identity; their lengths live in the simulator, which only needs them for timing.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -66,6 +76,7 @@ class SimHub:
         self.prompts = PromptSource([Prompt(f"p{i}", "") for i in range(num_prompts)], seed=seed)
         self.credits: dict[str, dict[int, str]] = {}  # actor -> credit_id -> prompt_id
         self.concurrency: dict[str, int] = {}
+        self.loaded: dict[str, int] = {}  # actor -> version reported in WeightsLoaded
         self.free = FreeSlots()
         self.in_flight = 0
         self.credit_serial = 0
@@ -81,6 +92,7 @@ class SimHub:
         """An actor's Hello: it can hold `concurrency` credits."""
         self.credits[actor_id] = {}
         self.concurrency[actor_id] = concurrency
+        self.loaded[actor_id] = -1  # nothing reported: the initial weights
         self.free.add(actor_id, concurrency)
 
     # --- the handlers of replay/server.py -------------------------------------------------------
@@ -106,25 +118,26 @@ class SimHub:
         self.adopt_version(policy_version)
         self.parked.append(num_groups)
 
+    def weights_loaded(self, actor_id: str, policy_version: int) -> None:
+        """A WeightsLoaded: the actor generates with `policy_version` from now on.
+
+        Weights are published only after the hub adopted their version, so the generation
+        version (never above the hub's) is the reported one and stays so as the hub's grows.
+        """
+        assert policy_version <= self.policy_version, "weights newer than the hub's version"
+        self.loaded[actor_id] = max(self.loaded[actor_id], policy_version)
+        version = admission.generation_version(self.policy_version, self.loaded[actor_id])
+        self.free.move(actor_id, version)
+
     def grant(self) -> dict[str, list[Credit]]:
         """New credits per actor, as `Hub.grant_credits` issues them."""
-        if not self.free:
-            return {}
-        total = admission.credits_available(
-            policy_version=self.policy_version,
-            max_staleness=self.max_staleness,
-            groups_per_step=self.groups_per_step,
-            consumed=self.buffer.num_consumed,
-            ready=self.buffer.num_unsampled,
-            in_flight=self.in_flight,
-            stored=len(self.buffer),
-            capacity=self.buffer.capacity,
-            insert_room=self.buffer.insert_room(),
-        )
-        if total <= 0:
-            return {}
+
+        def room(policy_version: int) -> int:
+            return admission.room(self.buffer, self.in_flight, self.max_staleness,
+                                  self.groups_per_step, policy_version)  # fmt: skip
+
         granted: dict[str, list[Credit]] = {}
-        for actor_id, n in admission.allocate(total, self.free.candidates(total)).items():
+        for actor_id, n in self.free.grant(room).items():
             granted[actor_id] = [self._new_credit(actor_id) for _ in range(n)]
             self.free.add(actor_id, -n)
         return granted
@@ -187,43 +200,115 @@ class SimHub:
 
 
 class FreeSlots:
-    """Free credit slots per actor, and the actors `admission.allocate` would serve first.
+    """Free credit slots per actor, grouped by the version each actor generates with.
 
-    `allocate(total, free)` deals one credit per round to actors sorted by (most free slots,
-    id). When `total` is below the number of actors with free slots, the first round alone
-    spends it, so the result depends only on the first `total` actors in that order: passing
-    just those gives the identical grant (a unit test checks this against the full map). That
-    keeps a grant O(total log A) instead of O(A log A) with thousands of actors.
+    `admission.grant` caps each actor by the room at its version, `total` = the largest cap, and
+    `admission.allocate` deals one credit per round to actors sorted by (largest cap, most free
+    slots, id), never past an actor's cap. So the first round decides who takes part: only the
+    first `total` actors in that order can receive anything, and passing just those gives the
+    identical grant (a unit test checks this against `admission.grant` over the full map).
+
+    The room is monotone in the version but may be equal at several versions (the capacity
+    binds), and then actors of those versions interleave by (slots, id). So each version keeps
+    its own heap of (-slots, id), and `candidates` merges the heaps of equal cap, largest cap
+    first: O(total log A) per grant instead of O(A log A) with thousands of actors.
     """
 
     def __init__(self) -> None:
-        self.slots: dict[str, int] = {}
-        self._heap: list[tuple[int, str]] = []  # (-slots, actor_id), stale entries skipped
+        self.slots: dict[str, int] = {}  # actors with free slots
+        self.version: dict[str, int] = {}  # generation version; absent = 0 (initial weights)
+        self._heaps: dict[int, list[tuple[int, str]]] = {}  # (-slots, id), stale entries skipped
+        self._num_free: dict[int, int] = {}  # version -> actors with free slots at it
 
     def __bool__(self) -> bool:
         return bool(self.slots)
 
     def add(self, actor_id: str, delta: int) -> None:
-        n = self.slots.get(actor_id, 0) + delta
+        old = self.slots.get(actor_id, 0)
+        n = old + delta
         assert n >= 0, f"{actor_id} would hold more credits than its concurrency"
+        version = self.version.get(actor_id, 0)
         if n == 0:
-            self.slots.pop(actor_id, None)
+            if old:
+                del self.slots[actor_id]
+                self._count(version, -1)
             return
+        if not old:
+            self._count(version, +1)
         self.slots[actor_id] = n
-        heapq.heappush(self._heap, (-n, actor_id))
-        if len(self._heap) > 4 * len(self.slots) + 64:
-            self._heap = [(-k, a) for a, k in self.slots.items()]
-            heapq.heapify(self._heap)
+        self._push(version, n, actor_id)
 
-    def candidates(self, total: int) -> dict[str, int]:
-        """Free slots of the actors that can receive any of `total` credits."""
+    def move(self, actor_id: str, version: int) -> None:
+        """The actor now generates with `version`."""
+        old = self.version.get(actor_id, 0)
+        if version == old:
+            return
+        self.version[actor_id] = version
+        n = self.slots.get(actor_id, 0)
+        if n:
+            self._count(old, -1)
+            self._count(version, +1)
+            self._push(version, n, actor_id)
+
+    def grant(self, room: Callable[[int], int]) -> dict[str, int]:
+        """`admission.grant` for these actors, `room(u)` being the admission room at version u."""
+        rooms = {version: room(version) for version in self._num_free}
+        total = max(rooms.values(), default=0)
+        if total <= 0:
+            return {}
+        chosen = self.candidates(total, rooms)
+        caps = {actor_id: rooms[self.version.get(actor_id, 0)] for actor_id in chosen}
+        return admission.allocate(total, chosen, caps)
+
+    def candidates(self, total: int, rooms: dict[int, int]) -> dict[str, int]:
+        """Free slots of the first `total` actors in `allocate`'s order, with cap = rooms[version]
+        (actors whose cap is not positive get nothing and are left out)."""
         if total >= len(self.slots):
             return dict(self.slots)
+        by_cap: dict[int, list[int]] = collections.defaultdict(list)
+        for version, cap in rooms.items():
+            by_cap[cap].append(version)
         chosen: dict[str, int] = {}
-        while len(chosen) < total:
-            neg, actor_id = heapq.heappop(self._heap)
-            if self.slots.get(actor_id) == -neg and actor_id not in chosen:
+        for cap in sorted(by_cap, reverse=True):
+            if cap <= 0 or len(chosen) >= total:
+                break
+            heads: list[tuple[int, str, int]] = []  # the best live entry of each version's heap
+            for version in by_cap[cap]:
+                self._next(version, heads, chosen)
+            while heads and len(chosen) < total:
+                neg, actor_id, version = heapq.heappop(heads)
                 chosen[actor_id] = -neg
+                self._next(version, heads, chosen)
+            for neg, actor_id, version in heads:
+                heapq.heappush(self._heaps[version], (neg, actor_id))
         for actor_id, n in chosen.items():
-            heapq.heappush(self._heap, (-n, actor_id))
+            heapq.heappush(self._heaps[self.version.get(actor_id, 0)], (-n, actor_id))
         return chosen
+
+    def _next(
+        self, version: int, heads: list[tuple[int, str, int]], chosen: dict[str, int]
+    ) -> None:
+        """Move the best live entry of `version`'s heap into `heads` (stale ones are dropped)."""
+        heap = self._heaps[version]
+        while heap:
+            neg, actor_id = heapq.heappop(heap)
+            if actor_id not in chosen and self._live(version, neg, actor_id):
+                heapq.heappush(heads, (neg, actor_id, version))
+                return
+
+    def _live(self, version: int, neg: int, actor_id: str) -> bool:
+        return self.version.get(actor_id, 0) == version and self.slots.get(actor_id) == -neg
+
+    def _count(self, version: int, delta: int) -> None:
+        n = self._num_free.get(version, 0) + delta
+        if n:
+            self._num_free[version] = n
+        else:  # no actor left at this version: all its heap entries are stale
+            del self._num_free[version]
+            self._heaps.pop(version, None)
+
+    def _push(self, version: int, n: int, actor_id: str) -> None:
+        heap = self._heaps.setdefault(version, [])
+        heapq.heappush(heap, (-n, actor_id))
+        if len(heap) > 4 * self._num_free[version] + 64:
+            heap[:] = sorted({entry for entry in heap if self._live(version, *entry)})

@@ -1,22 +1,30 @@
 """The discrete-event model of an asyncrl cluster: actors, the hub, the learner, weight syncs.
 
 ```
-                 credits (replay.admission: AReaL window, capacity, concurrency)
+                 credits (replay.admission: AReaL window at the actor's weights, capacity,
+                 concurrency)
    A actors  <----------------------------------------------  SimHub (real ReplayBuffer)
-   take all held credits, generate them as one batch           |        ^
-   (time: timing.GenerationTime), push one Group each  ------>-+        | SampleRequest(v, B)
-        ^                                                      | batch  | (parked until B groups
-        | swap at the next generation boundary                 v        |  with v - min <= η)
+   take all held credits, generate them as one batch           |  ^     ^
+   (time: timing.GenerationTime), push one Group each  ------>-+  |     | SampleRequest(v, B)
+   WeightsLoaded(w) on every swap  ---------------------------|->+     | (parked until B groups
+        ^                                                      | batch  |  with v - min <= η)
+        | swap at the generation boundary, or at once if idle  v        |
    weights v+1 available  <--- sync (timing.WeightSync) <--- learner: step (timing.LearnerTime),
                                 non-blocking                  v += 1, Version(v), publish
 ```
 
-Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`):
+Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`, `replay/server.py`):
 
+- The hub bounds each actor's credits by the AReaL window at the version the actor will
+  generate with, w = min(hub version, loaded version) (`replay.admission.grant`): groups stamped
+  w must be consumed by version w + η, so credits the window at w has no room for would only
+  make groups that go stale. An actor swaps in the newest weights at each generation boundary
+  (the end of its batch) and, when idle, as soon as a sync lands, and reports each swap to the
+  hub (WeightsLoaded, zero latency), whose window for it moves up at once.
 - An actor holding credits granted at hub version c waits, at its generation boundary, until it
-  holds weights >= c - η (`Actor.wait_for_weights`); the wait counts as idle. (The real actor
-  waits for exactly that version; with `publish_every` > 1 the simulator rounds it down to a
-  published one.) `wait_for_weights=False` models the earlier actor that starts at once.
+  holds weights >= c - η, rounded down to a published version (every `publish_every`-th)
+  (`Actor.wait_for_weights`); the wait counts as idle. `wait_for_weights=False` models the
+  earlier actor that starts at once.
 - The learner pipelines its request (`Learner.train`): on receiving the batch it trains at
   version v it asks at once for the next one with version v + 1, so the hub adopts v + 1
   (dropping what is stale w.r.t. it, opening admission) while step v runs; a batch served
@@ -26,11 +34,12 @@ Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`):
 Event loop: a heap of (time, priority, serial, handler). At equal times, completed weight
 syncs run first, then finished generations, then finished learner steps, then actors starting
 their next batch, so an actor that starts at the instant new weights land uses them and takes
-every credit granted at that instant. After every event that changes the hub's state, the hub
-grants credits and serves the parked request, as `replay/server.py`'s loop does (message
-latency is zero). Versions and staleness follow the real system: an actor stamps its whole
-batch with the version loaded at the batch's start (min = max policy version); the learner
-consumes at version v and the hub records staleness v - min_policy_version.
+every credit granted at that instant (also those its own WeightsLoaded opened). After every
+event that changes the hub's state, the hub grants credits and serves the parked request, as
+`replay/server.py`'s loop does (message latency is zero). Versions and staleness follow the
+real system: an actor stamps its whole batch with the version loaded at the batch's start
+(min = max policy version); the learner consumes at version v and the hub records staleness
+v - min_policy_version.
 
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
 `warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
@@ -235,9 +244,23 @@ class Simulation:
             actor.start_pending = True
             self.at(self.now, PRIO_ACTOR_START, self.actor_start, actor)
 
+    def load_weights(self, actor: _Actor) -> bool:
+        """Swap in the newest available weights, if newer, and tell the hub (WeightsLoaded).
+
+        Called whenever an actor is not generating and weights may have changed: at the end of
+        its batch (the generation boundary) and, for idle actors, when a sync lands.
+        """
+        if actor.busy or actor.version >= self.weights.available:
+            return False
+        actor.version = self.weights.available
+        self.hub.weights_loaded(actor.actor_id, actor.version)
+        return True
+
     def actor_start(self, actor: _Actor) -> None:
-        """Generation boundary: swap in the newest weights, take every held credit."""
+        """Start a batch with the weights loaded (the newest: an idle actor swaps at once) and
+        every held credit."""
         actor.start_pending = False
+        assert actor.version == self.weights.available, "an idle actor holds the newest weights"
         if self.cfg.wait_for_weights:
             needed = actor.min_weights
             needed -= needed % self.cfg.publish_every  # only these versions are published
@@ -245,7 +268,7 @@ class Simulation:
                 self.weights.waiters.append(actor)
                 return
         credits, actor.held = actor.held, []
-        actor.busy, actor.version = True, self.weights.available
+        actor.busy = True
         n = len(credits) * self.cfg.group_size
         lengths = self.lengths.take(n)
         seconds = self.cfg.generation.seconds(lengths, self.cfg.lengths.prompt_tokens)
@@ -267,6 +290,7 @@ class Simulation:
         self.track.actor_started(-1)
         self.track.generated(len(lengths))
         actor.busy = False
+        self.load_weights(actor)
         self.wake(actor)
         self.hub_tick()
 
@@ -334,9 +358,12 @@ class Simulation:
             self.at(self.now + self.cfg.sync.seconds, PRIO_SYNC, self.sync_done, queued)
         for v in [v for v in self.weights.published_at if v < policy_version]:
             del self.weights.published_at[v]  # superseded: never delivered
+        loaded = [self.load_weights(actor) for actor in self.actors]  # the idle ones swap now
         waiters, self.weights.waiters = self.weights.waiters, []
         for actor in waiters:
             self.wake(actor)
+        if any(loaded):
+            self.hub_tick()  # their admission window moved up with their weights
 
 
 @dataclass(eq=False)

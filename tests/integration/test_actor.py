@@ -51,6 +51,7 @@ from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import RunConfig, load_config, to_toml
 from asyncrl.protocol import (
     Batch,
+    Credits,
     Group,
     SampleRequest,
     Stats,
@@ -180,6 +181,8 @@ class System:
                                "--status-file", str(self.status_file)], tmp / "actor.log")  # fmt: skip
         try:
             self.learner = Learner(self.endpoint, self.cfg)
+            # weights are announced to the actors connected at the time: wait for this one
+            wait_for(lambda: ACTOR_ID in self.learner.stats()["clients"], "the actor to connect")
         except BaseException:
             end(self.actor, signal.SIGKILL)
             end(self.hub, signal.SIGKILL)
@@ -389,3 +392,24 @@ def test_failing_verifier_marks_samples_and_the_actor_carries_on(
         if learner is not None:
             learner.conn.close()
         end(hub)
+
+
+@pytest.mark.parametrize(
+    ("publish_every", "eta", "credit_versions", "need"),
+    [(1, 1, [5], 4), (3, 1, [5], 3), (3, 2, [8, 7], 6), (4, 0, [3], 0), (1, 4, [2], 0)],
+)
+def test_credits_ask_only_for_published_weights(
+    tiny_model_dir: Path, publish_every: int, eta: int, credit_versions: list[int], need: int
+) -> None:
+    """Credits granted at hub version c need weights >= c - η, rounded down to a version the
+    learner publishes (every publish_every-th); waiting for any other would never end."""
+    overrides = [f"learner.publish_every={publish_every}", f"replay.max_staleness={eta}"]
+    cfg = load_config(None, [f"model.path={json.dumps(str(tiny_model_dir))}", *overrides])
+    conn = HubConnection("tcp://127.0.0.1:1", role="actor", client_id=ACTOR_ID,
+                         config_hash=cfg.config_hash(), concurrency=2)  # never started  # fmt: skip
+    actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
+                  tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                  verifier=SortVerifier())  # fmt: skip
+    for version in credit_versions:
+        actor.handle(Credits(group_size=4, policy_version=version, items=()))
+    assert actor.min_weights_version == need

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from asyncrl.protocol import (
     StatsRequest,
     Trajectory,
     Version,
+    WeightsLoaded,
 )
 from asyncrl.transport import HubConnection
 
@@ -113,12 +114,23 @@ def make_group(
 
 
 class ActorThread(threading.Thread):
-    """Pushes one group per credit, stamped with the version its credits came with."""
+    """Pushes one group per credit, stamped with the version of the weights it last loaded.
+
+    `load(v)` stands in for a weight broadcast: the hub learns the version from WeightsLoaded
+    and bounds this actor's credits by the window at that version.
+    """
 
     def __init__(self, conn: HubConnection) -> None:
         super().__init__(daemon=True)
         self.conn, self.stop, self.pushed, self.credits = conn, threading.Event(), [], []
         self.hold = threading.Event()  # set: take credits but do not push
+        self.version = 0
+
+    def load(self, policy_version: int) -> None:
+        self.version = policy_version
+        self.conn.send(
+            WeightsLoaded(actor_id=self.conn.hello.client_id, policy_version=policy_version)
+        )
 
     def run(self) -> None:
         seq = 0
@@ -130,7 +142,7 @@ class ActorThread(threading.Thread):
             while self.hold.is_set() and not self.stop.is_set():
                 time.sleep(0.01)
             for item in msg.items:
-                self.conn.send(make_group(self.conn.hello.client_id, seq, item, msg.policy_version))
+                self.conn.send(make_group(self.conn.hello.client_id, seq, item, self.version))
                 self.pushed.append(f"{self.conn.hello.client_id}/{seq}")
                 seq += 1
 
@@ -147,9 +159,15 @@ def sample(learner: HubConnection, request_id: int, policy_version: int, num_gro
     raise AssertionError(f"no batch for request {request_id}")
 
 
-def advance(learner: HubConnection, policy_version: int) -> Members:
+def advance(
+    learner: HubConnection, policy_version: int, actors: Sequence[ActorThread] = ()
+) -> Members:
+    """The learner reports a new version and its weights reach `actors`."""
     learner.send(Version(policy_version=policy_version))
-    return wait_for(learner, Members)
+    members = wait_for(learner, Members)
+    for actor in actors:
+        actor.load(policy_version)
+    return members
 
 
 def stats(conn: HubConnection) -> dict:
@@ -181,7 +199,7 @@ def test_groups_from_several_actors_are_consumed_exactly_once(tmp_path: Path, hu
         assert all(version - g.min_policy_version <= 2 for g in batch.groups)
         consumed += [g.group_id for g in batch.groups]
         version += 1
-        advance(learner, version)
+        advance(learner, version, actors)
     for actor in actors:
         actor.stop.set()
         actor.join()
@@ -216,7 +234,7 @@ def test_eta_zero_is_synchronous(tmp_path: Path, hubs: list) -> None:
         s = stats(learner)  # one step's groups at a time: nothing more issued until Version
         assert s["credits_issued"] == 4 * (version + 1)
         assert s["credits_outstanding"] == 0 and s["stored"] == 0
-        advance(learner, version + 1)
+        advance(learner, version + 1, actors)
     assert stats(learner)["groups_dropped_stale"] == 0
     forged = CreditItem(credit_id=12345, prompt_id="p0000", prompt="", seed=0)
     with pytest.raises(ValueError, match="credit_id"):  # clients never send without a credit
@@ -283,7 +301,7 @@ def test_client_keeps_working_across_a_hub_restart(tmp_path: Path, hubs: list) -
     learner = first.connect("learner", "learner")
     actor.start()
     consumed = [g.group_id for g in sample(learner, 0, 0, 4).groups]
-    advance(learner, 1)
+    advance(learner, 1, [actor])
     actor.hold.set()  # credits of the old hub arrive but their groups are pushed later
     deadline = time.monotonic() + WAIT_S
     while actor.conn.credits_held() == 0 and time.monotonic() < deadline:
@@ -295,7 +313,7 @@ def test_client_keeps_working_across_a_hub_restart(tmp_path: Path, hubs: list) -
     for request_id in range(1, 6):
         batch = sample(learner, request_id, request_id, 4)
         consumed += [g.group_id for g in batch.groups]
-        advance(learner, request_id + 1)
+        advance(learner, request_id + 1, [actor])
     assert len(consumed) == len(set(consumed))
     s = stats(learner)
     assert s["policy_version"] == 6  # learned from the learner after the restart

@@ -7,10 +7,14 @@ size 2, so S = 2B samples per step; constant generation time g per batch, step t
 sync d. By default the actor waits for weights >= c - η for credits granted at hub version c and
 the learner asks for batch k+1 (version v+1) as soon as batch k arrives (pipelined request);
 `OLD` turns both off, the earlier behaviour, whose algebra the first cases were derived for.
+The hub caps the actor's credits by the admission window at the version the actor holds (w:
+room (η + w + 1)·B - consumed - ready - in flight), and an idle actor loads new weights the
+moment they land, so the window moves with each sync.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -20,6 +24,7 @@ import numpy as np
 import pytest
 
 from replay import admission
+from replay.buffer import ReplayBuffer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -27,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench.sim.calibrate import calibrate, load_points, nnls  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.hub import FreeSlots  # noqa: E402
-from bench.sim.model import SimConfig, SimulationStalled, simulate  # noqa: E402
+from bench.sim.model import SimConfig, Simulation, SimulationStalled, simulate  # noqa: E402
 from bench.sim.timing import GenerationTime, LearnerTime, LengthModel, WeightSync  # noqa: E402
 
 B, GROUP_SIZE = 4, 2
@@ -85,48 +90,77 @@ def test_async_learner_bound_unpipelined(eta: int) -> None:
     assert r.staleness_histogram == [0] * eta + [MEASURED * B]
 
 
-def test_pipelined_learner_bound_regenerates_the_window_end() -> None:
-    # η = 1, 2g <= s: at the start of step k (weights k just landed) the request for k+1 makes
-    # the hub adopt k+1 and serve batch k+1, which the actor made during step k-1 with weights
-    # k-1 (staleness 1). Admission then opens batch k+2 at once, one step earlier than the
-    # weights it needs: made with weights k it would be consumed at k+2 (staleness 2), so the
-    # adoption of k+2 at the next step's start drops it (B groups) and the actor makes it again
-    # with weights k+1 while that step runs. So every step trains on staleness-1 groups, drops
-    # B and keeps the actor busy 2g of s; the last step sends no request, so its actor idles
-    # throughout, and the learner's final Version drops that step's window-end batch.
+def test_pipelined_learner_bound_generates_each_batch_once() -> None:
+    """η = 1, g <= s, d = 0: every batch is made once, one version behind, and kept.
+
+    Derivation: when the learner starts training at version v, weights v have just landed and
+    its batch (from the inbox) was made with weights v-1: staleness 1; consumed = (v+1)·B. The
+    idle actor has loaded weights v, whose window (η + v + 1)·B = (v+2)·B leaves exactly B
+    credits: it makes the batch for version v+1 with weights v in g and idles s - g until weights
+    v+1 land. The window at weights v-1 would leave (v+1)·B - (v+1)·B = 0, so no group is made
+    that goes stale. The last step sends no request, but the window at the actor's weights does
+    not depend on the hub's version, so it is like the others: samples S/s, learner never idle,
+    actor idle (s - g)/s, staleness 1, nothing dropped.
+    """
     g, s = 0.5, 1.5
     r = simulate(one_actor(1, g, s))
     assert r.samples_per_s == S / s
     assert r.learner_idle_fraction == 0.0
-    assert r.actor_idle_fraction == ((MEASURED - 1) * (s - 2 * g) + s) / (MEASURED * s)
+    assert r.actor_idle_fraction == (s - g) / s
     assert r.staleness_histogram == [0, MEASURED * B]
-    assert r.groups_dropped_stale == MEASURED * B
+    assert r.groups_dropped_stale == 0
 
 
-def test_eta0_with_slow_sync_regenerates_every_batch() -> None:
-    # the earlier actor and learner: credits come with Version(v+1) but weights v+1 land d
-    # later: the batch started at once carries v, arrives stale (1 > 0), is dropped and
-    # regenerated with v+1 (d < g), so a step costs g + s + g and drops B groups
+def test_window_at_the_actors_version_drops_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case above drops no group in the whole run; with the window at the hub's version
+    (the earlier rule: every `room` asked at the learner's version) it drops B per step.
+
+    Derivation of the earlier rule: at the start of step k the request for k+1 makes the hub
+    adopt k+1 and serve batch k+1, made during step k-1 with weights k-1 (staleness 1).
+    Admission at version k+1 then opens batch k+2 at once, one step before its weights: made with
+    weights k it would be consumed at k+2 (staleness 2), so the adoption of k+2 at the next
+    step's start drops it (B groups) and the actor makes it again with weights k+1. Every step
+    drops B and keeps the actor busy 2g of s; the last step sends no request, so its actor idles
+    throughout.
+    """
+    g, s = 0.5, 1.5
+    sim = Simulation(one_actor(1, g, s))
+    r = sim.run()
+    assert sim.hub.num_dropped_stale == 0 and r.samples_per_s == S / s
+
+    real = admission.room
+
+    def room_at_hub_version(buffer: ReplayBuffer, in_flight: int, eta: int, groups: int,
+                            _policy_version: int) -> int:  # fmt: skip
+        return real(buffer, in_flight, eta, groups, buffer.policy_version)
+
+    monkeypatch.setattr(admission, "room", room_at_hub_version)
+    old = simulate(one_actor(1, g, s))
+    assert old.samples_per_s == S / s
+    assert old.learner_idle_fraction == 0.0
+    assert old.actor_idle_fraction == ((MEASURED - 1) * (s - 2 * g) + s) / (MEASURED * s)
+    assert old.staleness_histogram == [0, MEASURED * B]
+    assert old.groups_dropped_stale == MEASURED * B
+
+
+@pytest.mark.parametrize("flags", [OLD, {"wait_for_weights": False}], ids=["old", "no-wait"])
+def test_eta0_actor_not_waiting_gets_credits_with_the_weights(flags: dict[str, bool]) -> None:
+    """η = 0, d < g, an actor that would start at once with whatever weights it holds.
+
+    Derivation: after step v the actor holds weights v and consumed = (v+1)·B, so the window at
+    its version, (v+1)·B - consumed, is 0: no credit, whatever the hub's version (v+1 on the
+    step's end, or on its start when pipelined). Weights v+1 land d after the step; the idle
+    actor loads them and gets B credits, generates in g, and the learner trains s: a step costs
+    g + s + d, as for the actor that waits itself, and nothing is made that is dropped.
+    """
     g, s, d = 1.0, 0.5, 0.25
-    r = simulate(one_actor(0, g, s, d, **OLD))
-    assert r.samples_per_s == S / (2 * g + s)
-    assert r.learner_idle_fraction == 2 * g / (2 * g + s)
-    assert r.actor_idle_fraction == s / (2 * g + s)
-    assert r.groups_dropped_stale == MEASURED * B
+    r = simulate(one_actor(0, g, s, d, **flags))
+    assert r.samples_per_s == S / (g + s + d)
+    assert r.learner_idle_fraction == (g + d) / (g + s + d)
+    assert r.actor_idle_fraction == (s + d) / (g + s + d)
+    assert r.groups_dropped_stale == 0
     assert r.staleness_histogram == [MEASURED * B]
     assert r.sync_s == d and r.mean_sync_latency_s == d
-
-
-def test_eta0_without_weight_wait_pipelined() -> None:
-    # pipelined learner, actor not waiting: the credits for step k+1 come at the step's start;
-    # the batch made at once with weights v is stale on arrival at g, dropped, and made again
-    # with v+1 (landed at s + d <= g): a step costs 2g and drops B groups
-    g, s, d = 1.0, 0.5, 0.25
-    r = simulate(one_actor(0, g, s, d, wait_for_weights=False))
-    assert r.samples_per_s == S / (2 * g)
-    assert r.learner_idle_fraction == (2 * g - s) / (2 * g)
-    assert r.groups_dropped_stale == MEASURED * B
-    assert r.staleness_histogram == [MEASURED * B]
 
 
 def test_actor_waits_for_weights() -> None:
@@ -167,20 +201,40 @@ def test_no_credit_from_admission_stalls(monkeypatch: pytest.MonkeyPatch) -> Non
         simulate(one_actor(1, 1.0, 1.0))
 
 
-def test_free_slots_shortcut_matches_full_allocate() -> None:
+def test_free_slots_shortcut_matches_admission_grant() -> None:
+    """`FreeSlots.grant` hands `allocate` only the first `total` actors in its order; the grant
+    must equal `admission.grant` over every actor, also when several versions have the same
+    room (the capacity binds) and their actors interleave by free slots."""
     rng = np.random.default_rng(0)
+    num_shortcut = num_tied = 0
     for _ in range(200):
-        slots = FreeSlots()
-        full: dict[str, int] = {}
-        for i in range(int(rng.integers(1, 40))):
-            actor, n = f"a{i:03d}", int(rng.integers(1, 6))
-            slots.add(actor, n)
-            full[actor] = n
-            if rng.random() < 0.3:
-                slots.add(actor, -n)
-                del full[actor]
-        total = int(rng.integers(0, 60))
-        assert admission.allocate(total, slots.candidates(total)) == admission.allocate(total, full)
+        eta, groups = int(rng.integers(0, 3)), int(rng.integers(1, 6))
+        buffer = ReplayBuffer(capacity=int(rng.integers(groups, 30)), max_staleness=eta,
+                              batch_groups=groups)  # fmt: skip
+        buffer.drop_stale(int(rng.integers(0, 5)))
+        slots, full, versions = FreeSlots(), {}, {}
+        for _ in range(6):  # rounds of changes on the same FreeSlots, then a grant
+            for _ in range(int(rng.integers(1, 25))):
+                actor = f"a{int(rng.integers(0, 40)):03d}"
+                if rng.random() < 0.4:
+                    versions[actor] = int(rng.integers(versions.get(actor, 0), 5))
+                    slots.move(actor, versions[actor])
+                delta = int(rng.integers(-full.get(actor, 0), 5))
+                slots.add(actor, delta)
+                full[actor] = full.get(actor, 0) + delta
+            free = {actor: n for actor, n in full.items() if n > 0}
+            in_flight = int(rng.integers(0, 12))
+            room = functools.partial(admission.room, buffer, in_flight, eta, groups)
+            every = {actor: versions.get(actor, 0) for actor in free}
+            expected = admission.grant(buffer, in_flight, eta, groups, free, every)
+            assert slots.grant(room) == expected
+            rooms = sorted({room(u) for u in every.values()}, reverse=True)
+            if rooms and rooms[0] < len(free):
+                candidates = slots.candidates(rooms[0], {u: room(u) for u in every.values()})
+                assert len(candidates) <= rooms[0]  # the shortcut: at most `total` actors
+                num_shortcut += 1
+                num_tied += len({u for u in every.values() if room(u) == rooms[0]}) > 1
+    assert num_shortcut > 200 and num_tied > 50  # both paths were exercised
 
 
 def test_generation_time_is_bounded_by_the_longest_sample() -> None:
