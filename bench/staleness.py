@@ -39,6 +39,10 @@ from bench_common import environment, spread, write_json  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.run import read_metrics, run  # noqa: E402
 
+DIAGNOSTICS = ("is_weight_mean", "is_weight_max", "ess", "clipped_frac", "masked_frac",
+               "mismatch_kl", "entropy", "grad_norm")  # fmt: skip
+"""Per-step loss diagnostics (learner metrics.jsonl) reported per point as run means."""
+
 
 def run_point(
     cfg: RunConfig, loss: str, eta: int, seed: int, budget_s: float, work: Path
@@ -101,6 +105,8 @@ def measure(
         "response_lengths": [round(r["response_len_mean"], 3) for r in rows],
         "prompt_tokens": None,  # filled in by main from the config
         "final_reward": statistics.fmean(r["reward_mean"] for r in rows[-tenth:]),
+        # the loss's own diagnostics, averaged over the run: how off-policy the data was
+        **{key: statistics.fmean(r[key] for r in train) for key in DIAGNOSTICS if key in rows[0]},
         "curve": [[round(r["time_s"], 3), r["step"], round(r["reward_mean"], 4)] for r in rows],
     }  # fmt: skip
 
