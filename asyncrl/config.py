@@ -269,6 +269,11 @@ class LearnerConfig:
     """Groups (prompts) per optimizer step; the hub's admission rule uses it too."""
     micro_batch_samples: int = 64
     """Samples per forward/backward micro-batch (gradients accumulate across them)."""
+    minibatches: int = 1
+    """Optimizer steps per batch (PPO minibatches, AReaL's ppo_n_minibatches): the batch's rows
+    are split into this many parts, one AdamW step each. π_prox is the policy at the batch's
+    start (one extra no-grad forward when > 1), so from the second minibatch on the clip on
+    π_θ/π_prox binds; with 1, π_prox = π_θ.detach() and costs nothing."""
     max_steps: int = 200
     """Optimizer steps before the learner stops."""
     lr: float = 1e-3
@@ -296,6 +301,12 @@ class LearnerConfig:
             "learner.micro_batch_samples",
             "must be >= 1",
             self.micro_batch_samples,
+        )
+        _check(
+            1 <= self.minibatches <= self.groups_per_step,
+            "learner.minibatches",
+            "must be between 1 and learner.groups_per_step",
+            self.minibatches,
         )
         _check(self.max_steps >= 1, "learner.max_steps", "must be >= 1", self.max_steps)
         _check(self.lr > 0, "learner.lr", "must be > 0", self.lr)

@@ -13,9 +13,10 @@
    lets actors run (η + v + 1) · groups_per_step groups ahead of what the learner consumed.
 ```
 
-π_prox (DESIGN §5): with one optimizer step per batch, the parameters at the start of the step
-are the ones every micro-batch's forward pass uses, so π_prox = π_θ.detach() exactly and no
-second forward pass is needed. Logprobs are taken under logits / actor.temperature, the
+π_prox (DESIGN §5) is the policy at the start of the step. With one optimizer step per batch
+(`learner.minibatches` = 1) the parameters every micro-batch's forward pass uses are exactly
+those, so π_prox = π_θ.detach() and no second forward pass is needed; with several minibatches
+one no-grad forward over the batch computes it first. Logprobs are taken under logits / actor.temperature, the
 distribution the actors sampled from. Advantages are group-normalised over each whole group
 before micro-batching. `policy_version` counts optimizer steps and survives `--resume`.
 """
@@ -44,7 +45,7 @@ from asyncrl.weights.publisher import WeightPublisher
 from learner.advantages import group_advantages
 from learner.batching import TrainBatch, collate, token_logprobs
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.losses import policy_loss
+from learner.losses import NEEDS_PROXIMAL, policy_loss
 from learner.metrics_log import MetricsLog
 
 
@@ -141,22 +142,48 @@ class Learner:
         return None, time.perf_counter() - start
 
     def optimize(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step over the batch, in micro-batches with globally normalised loss."""
+        """`learner.minibatches` optimizer steps over the batch (one by default), each over its
+        rows in micro-batches with a loss normalised over the minibatch."""
         data = collate(batch.groups, self.pad_id)
         advantages = self.advantages(batch, data)
+        parts = self.cfg.learner.minibatches
+        needs = parts > 1 and self.cfg.loss.name in NEEDS_PROXIMAL
+        proximal = self.proximal_logprobs(data) if needs else None
+        bounds = [round(k * data.num_rows / parts) for k in range(parts + 1)]
+        sums: dict[str, float] = {}
+        for start, stop in zip(bounds, bounds[1:], strict=False):
+            stats = self.minibatch_step(data, advantages, proximal, start, stop)
+            for key, value in stats.items():
+                if key == "is_weight_max":
+                    sums[key] = max(sums.get(key, 0.0), value)
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * (stop - start) / data.num_rows
+        return sums
+
+    def minibatch_step(
+        self,
+        data: TrainBatch,
+        advantages: torch.Tensor,
+        proximal: torch.Tensor | None,
+        first: int,
+        last: int,
+    ) -> dict[str, float]:
+        """One AdamW step over rows [first, last), accumulated over micro-batches."""
+        mask = data.mask[first:last]
         totals = {
-            "num_samples_total": data.num_rows,
+            "num_samples_total": last - first,
             "max_tokens": self.cfg.actor.max_new_tokens,
-            "num_tokens_total": float(data.mask.sum().clamp(min=1.0)),
+            "num_tokens_total": float(mask.sum().clamp(min=1.0)),
         }
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         size = self.cfg.learner.micro_batch_samples
-        for start in range(0, data.num_rows, size):
-            stop = min(start + size, data.num_rows)
-            stats = self.micro_step(data.rows(start, stop), advantages[start:stop], totals)
+        for start in range(first, last, size):
+            stop = min(start + size, last)
+            prox = proximal[start:stop] if proximal is not None else None
+            stats = self.micro_step(data.rows(start, stop), advantages[start:stop], prox, totals)
             for key, value in stats.items():
-                weight = (stop - start) / data.num_rows
+                weight = (stop - start) / (last - first)
                 sums[key] = sums.get(key, 0.0) + (value if key == "loss" else value * weight)
             sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), stats["is_weight_max"])
         clip = self.cfg.learner.grad_clip
@@ -167,13 +194,30 @@ class Learner:
         sums["grad_norm"] = float(norm)
         return sums
 
+    @torch.no_grad()
+    def proximal_logprobs(self, data: TrainBatch) -> torch.Tensor:
+        """π_prox: log-probs of every row under the parameters at the batch's start."""
+        out = torch.zeros_like(data.behavior_logprobs)
+        size = self.cfg.learner.micro_batch_samples
+        for start in range(0, data.num_rows, size):
+            stop = min(start + size, data.num_rows)
+            logprobs, _ = token_logprobs(
+                self.model, data.rows(start, stop), self.cfg.actor.temperature
+            )
+            out[start:stop, : logprobs.shape[1]] = logprobs
+        return out
+
     def micro_step(
-        self, mb: TrainBatch, advantages: torch.Tensor, totals: dict[str, Any]
+        self,
+        mb: TrainBatch,
+        advantages: torch.Tensor,
+        proximal: torch.Tensor | None,
+        totals: dict[str, Any],
     ) -> dict[str, float]:
         logprobs, entropy = token_logprobs(self.model, mb, self.cfg.actor.temperature)
         loss, stats = policy_loss(
             logprobs,
-            logprobs.detach(),
+            logprobs.detach() if proximal is None else proximal[:, : logprobs.shape[1]],
             mb.behavior_logprobs,
             advantages,
             mb.mask,

@@ -63,7 +63,8 @@ from torch import Tensor
 
 from asyncrl.config import LossConfig
 
-_NEEDS_PROXIMAL = ("decoupled_ppo", "truncated_is", "masked_is")
+NEEDS_PROXIMAL = ("decoupled_ppo", "truncated_is", "masked_is")
+"""Losses that use π_prox (the others ignore it)."""
 
 
 class TokenTerms(NamedTuple):
@@ -243,7 +244,7 @@ def _validate_inputs(
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("mask: values must be 0 or 1")
     m = mask.to(device=logprobs.device, dtype=torch.bool)
-    if proximal_logprobs is None and cfg.name in _NEEDS_PROXIMAL:
+    if proximal_logprobs is None and cfg.name in NEEDS_PROXIMAL:
         raise ValueError(f"proximal_logprobs: required by loss {cfg.name!r}")
     named = {"behavior_logprobs": behavior_logprobs, "proximal_logprobs": proximal_logprobs}
     for name, tensor in named.items():
