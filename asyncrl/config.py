@@ -354,6 +354,18 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
 
+    def __post_init__(self) -> None:
+        # The learner at version v takes only groups made with weights >= v - η, and actors
+        # only ever hold published versions: every publish_every-th. A gap wider than η + 1
+        # leaves a version no actor can serve, and the learner would wait for it forever.
+        _check(
+            self.learner.publish_every <= self.replay.max_staleness + 1,
+            "learner.publish_every",
+            f"must be <= replay.max_staleness + 1 = {self.replay.max_staleness + 1} (actors hold "
+            "only published weights, and the learner takes nothing staler than η)",
+            self.learner.publish_every,
+        )
+
     @property
     def samples_per_step(self) -> int:
         """Trajectories per optimizer step."""

@@ -116,6 +116,11 @@ class SimConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0 or self.publish_every < 1:
             raise ValueError("max_staleness must be >= 0 and publish_every >= 1")
+        if self.publish_every > self.max_staleness + 1:  # as asyncrl.config refuses it
+            raise ValueError(
+                f"publish_every: must be <= max_staleness + 1 = {self.max_staleness + 1}, "
+                f"got {self.publish_every} (a version no published weights can serve)"
+            )
         if not 0 <= self.warmup_steps < self.num_steps:
             raise ValueError(f"warmup_steps: must be in [0, num_steps), got {self.warmup_steps}")
 

@@ -396,7 +396,7 @@ def test_failing_verifier_marks_samples_and_the_actor_carries_on(
 
 @pytest.mark.parametrize(
     ("publish_every", "eta", "credit_versions", "need"),
-    [(1, 1, [5], 4), (3, 1, [5], 3), (3, 2, [8, 7], 6), (4, 0, [3], 0), (1, 4, [2], 0)],
+    [(1, 1, [5], 4), (2, 1, [4], 2), (3, 2, [8, 7], 6), (4, 3, [6], 0), (1, 4, [2], 0)],
 )
 def test_credits_ask_only_for_published_weights(
     tiny_model_dir: Path, publish_every: int, eta: int, credit_versions: list[int], need: int

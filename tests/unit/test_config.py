@@ -57,6 +57,8 @@ def test_set_overrides_win_over_the_file(tmp_path: Path) -> None:
         ("", ["actor.temperature=3.0"], "actor.temperature"),
         ("", ["run.num_actors=0"], "run.num_actors"),
         ("", ["model.hidden_size=130"], "model.hidden_size"),
+        ("", ["replay.max_staleness=1", "learner.publish_every=3"], "learner.publish_every"),
+        ("", ["learner.groups_per_step=2", "learner.minibatches=3"], "learner.minibatches"),
     ],
 )
 def test_bad_settings_fail_naming_the_key(
