@@ -66,6 +66,7 @@ class Learner:
         self.step = 0
         self.request_id = 0
         self.members: list[str] = []
+        self.published: tuple[int, list[str]] = (-1, [])  # (version, members) last published
         self.members_changed = False
         self.stop_event = threading.Event()
         self.start_time = time.time()
@@ -257,6 +258,7 @@ class Learner:
     def publish(self) -> None:
         """Snapshot the weights and hand them to the publisher thread (non-blocking)."""
         self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
+        self.published = (self.policy_version, list(self.members))
 
     def announce(self, announcement: dict[str, Any]) -> None:
         """Called by the publisher thread: forward the rendezvous to the actors via the hub."""
@@ -338,7 +340,13 @@ class Learner:
         self.checkpoint()
         wait_s = self.cfg.weights.timeout_s if not self.stop_event.is_set() else 5.0
         self.publisher.wait(timeout=wait_s)
-        if self.policy_version % self.cfg.learner.publish_every:
+        if not self.stop_event.is_set():
+            try:  # the actors alive now: one may have joined after the last publication
+                self.report_version()
+            except TimeoutError as exc:
+                print(f"learner: {exc}; final weights go to the last known actors", flush=True)
+        unpublished = self.policy_version % self.cfg.learner.publish_every != 0
+        if unpublished or self.members != self.published[1]:
             self.publish()
             self.publisher.wait(timeout=wait_s)
         loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))
