@@ -154,10 +154,10 @@ class Actor:
         """Before generating for credits granted at hub version v, hold weights >= v - η
         (rounded down to a version the learner publishes: every learner.publish_every-th).
 
-        The hub grants credits as soon as the learner's version advances, which is before the
-        new weights reach the actors. A group generated with older weights would only be
-        dropped as stale when sampled (at η = 0, every such group), so waiting here is cheaper;
-        the time is reported as `wait_weights_s`. Bounded by weights.timeout_s: if weights do
+        The hub already sizes this actor's credits by the weights it reported loading, so this
+        rarely waits; it covers an actor whose weights are far behind the learner's (a late
+        joiner, a run resumed at version v with actors on their initial weights), whose groups
+        would only be dropped as stale. The time is reported as `wait_weights_s`. Bounded by weights.timeout_s: if weights do
         not come (a failed broadcast), generate anyway and let the hub's bound decide.
         """
         need = self.min_weights_version

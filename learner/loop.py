@@ -16,8 +16,8 @@
 π_prox (DESIGN §5) is the policy at the start of the step. With one optimizer step per batch
 (`learner.minibatches` = 1) the parameters every micro-batch's forward pass uses are exactly
 those, so π_prox = π_θ.detach() and no second forward pass is needed; with several minibatches
-one no-grad forward over the batch computes it first. Logprobs are taken under logits / actor.temperature, the
-distribution the actors sampled from. Advantages are group-normalised over each whole group
+one no-grad forward over the batch computes it first. Logprobs are taken under
+logits / actor.temperature, the distribution the actors sampled from. Advantages are group-normalised over each whole group
 before micro-batching. `policy_version` counts optimizer steps and survives `--resume`.
 """
 
@@ -66,7 +66,7 @@ class Learner:
         self.step = 0
         self.request_id = 0
         self.members: list[str] = []
-        self.published: tuple[int, list[str]] = (-1, [])  # (version, members) last published
+        self.published_to: list[str] = []  # the members of the last publication
         self.members_changed = False
         self.stop_event = threading.Event()
         self.start_time = time.time()
@@ -178,9 +178,7 @@ class Learner:
         }
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        size = self.cfg.learner.micro_batch_samples
-        for start in range(first, last, size):
-            stop = min(start + size, last)
+        for start, stop in self.micro_batches(first, last):
             prox = proximal[start:stop] if proximal is not None else None
             stats = self.micro_step(data.rows(start, stop), advantages[start:stop], prox, totals)
             for key, value in stats.items():
@@ -198,15 +196,16 @@ class Learner:
     @torch.no_grad()
     def proximal_logprobs(self, data: TrainBatch) -> torch.Tensor:
         """π_prox: log-probs of every row under the parameters at the batch's start."""
-        out = torch.zeros_like(data.behavior_logprobs)
-        size = self.cfg.learner.micro_batch_samples
-        for start in range(0, data.num_rows, size):
-            stop = min(start + size, data.num_rows)
-            logprobs, _ = token_logprobs(
-                self.model, data.rows(start, stop), self.cfg.actor.temperature
-            )
-            out[start:stop, : logprobs.shape[1]] = logprobs
+        out = torch.empty_like(data.behavior_logprobs)
+        for start, stop in self.micro_batches(0, data.num_rows):
+            rows = data.rows(start, stop)  # keeps the batch's completion width
+            out[start:stop] = token_logprobs(self.model, rows, self.cfg.actor.temperature)[0]
         return out
+
+    def micro_batches(self, first: int, last: int) -> list[tuple[int, int]]:
+        """[start, stop) row ranges of at most learner.micro_batch_samples rows."""
+        size = self.cfg.learner.micro_batch_samples
+        return [(start, min(start + size, last)) for start in range(first, last, size)]
 
     def micro_step(
         self,
@@ -218,7 +217,7 @@ class Learner:
         logprobs, entropy = token_logprobs(self.model, mb, self.cfg.actor.temperature)
         loss, stats = policy_loss(
             logprobs,
-            logprobs.detach() if proximal is None else proximal[:, : logprobs.shape[1]],
+            logprobs.detach() if proximal is None else proximal,
             mb.behavior_logprobs,
             advantages,
             mb.mask,
@@ -258,7 +257,7 @@ class Learner:
     def publish(self) -> None:
         """Snapshot the weights and hand them to the publisher thread (non-blocking)."""
         self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
-        self.published = (self.policy_version, list(self.members))
+        self.published_to = list(self.members)
 
     def announce(self, announcement: dict[str, Any]) -> None:
         """Called by the publisher thread: forward the rendezvous to the actors via the hub."""
@@ -346,7 +345,7 @@ class Learner:
             except TimeoutError as exc:
                 print(f"learner: {exc}; final weights go to the last known actors", flush=True)
         unpublished = self.policy_version % self.cfg.learner.publish_every != 0
-        if unpublished or self.members != self.published[1]:
+        if unpublished or self.members != self.published_to:
             self.publish()
             self.publisher.wait(timeout=wait_s)
         loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))

@@ -9,8 +9,9 @@ and writes each value to TensorBoard event files under `<run_dir>/tb/`: numbers 
 lists as histograms (e.g. the staleness of every group in the step's batch). The JSON line is
 flushed on every call, so a crash loses nothing already logged and `tail -f` sees each step as
 it happens; TensorBoard gets one event per step (all of the step's values in one summary),
-written by a background thread and flushed within about a second, and `close()` drains them. Opening the log again on the same run directory appends (a resumed run continues
-the same file; TensorBoard orders by step).
+written by a background thread and flushed within about a second, and `close()` drains them.
+Opening the log again on the same run directory appends (a resumed run continues the same file;
+TensorBoard orders by step).
 
 Values: ints and floats (bools count as ints), or lists/tuples of numbers. A non-finite number
 is written as `null` in the JSON (strict JSON has no NaN) and as NaN to TensorBoard; non-finite
