@@ -269,6 +269,10 @@ class LearnerConfig:
     """Groups (prompts) per optimizer step; the hub's admission rule uses it too."""
     micro_batch_samples: int = 64
     """Samples per forward/backward micro-batch (gradients accumulate across them)."""
+    share_prompt: bool = True
+    """Compute each group's prompt once per micro-batch and continue all its completions from
+    those keys/values, instead of once per sample (same log-probs and gradients; the prompt's
+    share of the learner's compute drops by the group size)."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO minibatches, AReaL's ppo_n_minibatches): the batch's rows
     are split into this many parts, one AdamW step each. π_prox is the policy at the batch's

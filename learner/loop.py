@@ -199,7 +199,7 @@ class Learner:
         out = torch.empty_like(data.behavior_logprobs)
         for start, stop in self.micro_batches(0, data.num_rows):
             rows = data.rows(start, stop)  # keeps the batch's completion width
-            out[start:stop] = token_logprobs(self.model, rows, self.cfg.actor.temperature)[0]
+            out[start:stop] = self.score(rows)[0]
         return out
 
     def micro_batches(self, first: int, last: int) -> list[tuple[int, int]]:
@@ -214,7 +214,7 @@ class Learner:
         proximal: torch.Tensor | None,
         totals: dict[str, Any],
     ) -> dict[str, float]:
-        logprobs, entropy = token_logprobs(self.model, mb, self.cfg.actor.temperature)
+        logprobs, entropy = self.score(mb)
         loss, stats = policy_loss(
             logprobs,
             logprobs.detach() if proximal is None else proximal,
@@ -228,6 +228,11 @@ class Learner:
         produced = mb.mask.sum().clamp(min=1.0)
         stats["entropy"] = float((entropy * mb.mask).sum() / produced)
         return stats
+
+    def score(self, rows: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy [rows, C] of the completions under the current parameters."""
+        temperature, share = self.cfg.actor.temperature, self.cfg.learner.share_prompt
+        return token_logprobs(self.model, rows, temperature, share_prompt=share)
 
     def advantages(self, batch: Batch, data: TrainBatch) -> torch.Tensor:
         """Group-normalised advantages, one per row, in collate's row order."""

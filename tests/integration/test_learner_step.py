@@ -30,9 +30,10 @@ from learner.losses import policy_loss
 
 def _group(rng: np.random.Generator, group_id: str, size: int) -> Group:
     trajs = []
+    plen, prompt = 4, rng.integers(4, 16, size=4).astype(np.int32)  # one prompt per group
     for _ in range(size):
-        plen, clen = 4, int(rng.integers(2, 7))
-        tokens = rng.integers(4, 16, size=plen + clen).astype(np.int32)
+        clen = int(rng.integers(2, 7))
+        tokens = np.concatenate([prompt, rng.integers(4, 16, size=clen).astype(np.int32)])
         trajs.append(
             Trajectory(
                 tokens=tokens,
@@ -77,16 +78,17 @@ def _reference(cfg: RunConfig, model_dir: Path, groups: list[Group]) -> torch.nn
     model.train()
     optimizer = make_adamw(model, cfg.learner.lr, cfg.learner.weight_decay)
     data = collate(groups, pad_id=0)
+    share = cfg.learner.share_prompt
     rewards = [torch.tensor(g.rewards)[None, :] for g in groups]
     advantages = torch.cat([group_advantages(r, std_norm=True)[0] for r in rewards])
     with torch.no_grad():
-        start_logprobs, _ = token_logprobs(model, data, 1.0)
+        start_logprobs, _ = token_logprobs(model, data, 1.0, share_prompt=share)
     parts = cfg.learner.minibatches
     bounds = [round(k * data.num_rows / parts) for k in range(parts + 1)]
     for first, last in zip(bounds, bounds[1:], strict=False):
         rows = data.rows(first, last)
         optimizer.zero_grad(set_to_none=True)
-        logprobs, _ = token_logprobs(model, rows, 1.0)
+        logprobs, _ = token_logprobs(model, rows, 1.0, share_prompt=share)
         proximal = start_logprobs[first:last] if parts > 1 else logprobs.detach()
         loss, _ = policy_loss(logprobs, proximal, rows.behavior_logprobs, advantages[first:last],
                               rows.mask, cfg.loss, num_samples_total=last - first,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.protocol import Group, Trajectory
-from learner.batching import collate, token_logprobs
+from learner.batching import TrainBatch, collate, token_logprobs
 
 
 def _group(rng: np.random.Generator, group_id: str, lengths: list[tuple[int, int]]) -> Group:
@@ -68,3 +70,83 @@ def test_micro_batch_rows_keep_values(tiny_model_dir: Path) -> None:
         full, _ = token_logprobs(model, batch, 1.0)
         part, _ = token_logprobs(model, batch.rows(2, 3), 1.0)
     torch.testing.assert_close(part[0, :3], full[2, :3], atol=1e-5, rtol=1e-5)
+
+
+def _shared_group(
+    rng: np.random.Generator, group_id: str, prompt_len: int, completion_lens: list[int]
+) -> Group:
+    """A group as actors make it: every trajectory continues the same prompt."""
+    prompt = rng.integers(4, 16, size=prompt_len).astype(np.int32)
+    group = _group(rng, group_id, [(prompt_len, c) for c in completion_lens])
+    trajs = [
+        dataclasses.replace(t, tokens=np.concatenate([prompt, t.tokens[prompt_len:]]))
+        for t in group.trajectories()
+    ]
+    return Group.build(
+        group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0, trajectories=trajs
+    )
+
+
+def _mixed_batch() -> list[Group]:
+    rng = np.random.default_rng(7)
+    return [
+        _shared_group(rng, "g0", 5, [3, 6, 1, 4]),  # completions of different lengths
+        _shared_group(rng, "g1", 2, [2, 5]),  # a shorter prompt: left-padded to 5
+        _group(rng, "g2", [(3, 2), (4, 3)]),  # prompts that differ: one prompt row each
+        _shared_group(rng, "g3", 7, [1, 1, 1]),  # the longest prompt, one-token completions
+    ]
+
+
+def test_collate_keeps_each_distinct_prompt_once() -> None:
+    batch = collate(_mixed_batch(), pad_id=0)
+    assert batch.num_rows == 11
+    assert batch.prompt_row.tolist() == [0, 0, 0, 0, 1, 1, 2, 3, 4, 4, 4]
+    assert batch.prompt_ids.shape == (5, 7)
+    assert batch.prompt_attention.sum(dim=1).tolist() == [5, 2, 3, 4, 7]
+    for row in range(batch.num_rows):
+        plen, clen = int(batch.prompt_len[row]), int(batch.completion_len[row])
+        prompt = batch.prompt_ids[batch.prompt_row[row], 7 - plen :]
+        assert torch.equal(prompt, batch.input_ids[row, :plen])
+        completion = batch.completion_ids[row, :clen]
+        assert torch.equal(completion, batch.input_ids[row, plen : plen + clen])
+
+
+def _score(
+    model: torch.nn.Module, batch: TrainBatch, share: bool, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = token_logprobs(model, batch, 0.7, share_prompt=share)
+    (logprobs * batch.mask * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logprobs.detach() * batch.mask, entropy * batch.mask, grads
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 11), (2, 7), (4, 10), (8, 11)])
+def test_shared_prompt_scores_and_gradients_equal_whole_rows(
+    tiny_model_dir: Path, start: int, stop: int
+) -> None:
+    batch = collate(_mixed_batch(), pad_id=0)
+    rows = batch if (start, stop) == (0, batch.num_rows) else batch.rows(start, stop)
+    assert rows.num_prompts < rows.num_rows  # the shared path is the one taken
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    weights = torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(start))
+    want_lp, want_ent, want_grads = _score(model, rows, False, weights)
+    got_lp, got_ent, got_grads = _score(model, rows, True, weights)
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_ent, want_ent, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        assert torch.isfinite(got_grads[name]).all(), name
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_without_a_shared_prompt_take_one_pass(tiny_model_dir: Path) -> None:
+    rng = np.random.default_rng(3)
+    batch = collate([_group(rng, "g0", [(3, 2), (4, 3), (2, 4)])], pad_id=0)
+    assert batch.num_prompts == batch.num_rows
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    calls: list[int] = []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        token_logprobs(model, batch, 1.0, share_prompt=True)
+    hook.remove()
+    assert len(calls) == 1
