@@ -270,9 +270,12 @@ class LearnerConfig:
     micro_batch_samples: int = 64
     """Samples per forward/backward micro-batch (gradients accumulate across them)."""
     share_prompt: bool = True
-    """Compute each group's prompt once per micro-batch and continue all its completions from
-    those keys/values, instead of once per sample (same log-probs and gradients; the prompt's
-    share of the learner's compute drops by the group size)."""
+    """Score each group's prompt once: pack it with its completions into one row, each
+    completion attending to the prompt and to itself only (same log-probs and gradients as one
+    row per sample; the prompt's share of the learner's compute drops by the group size)."""
+    packed_row_tokens: int = 256
+    """Longest packed row (tokens) with share_prompt: completions that do not fit start another
+    row with the prompt again. Attention in a row costs its length squared."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO minibatches, AReaL's ppo_n_minibatches): the batch's rows
     are split into this many parts, one AdamW step each. π_prox is the policy at the batch's
@@ -311,6 +314,12 @@ class LearnerConfig:
             "learner.minibatches",
             "must be between 1 and learner.groups_per_step",
             self.minibatches,
+        )
+        _check(
+            self.packed_row_tokens >= 1,
+            "learner.packed_row_tokens",
+            "must be >= 1",
+            self.packed_row_tokens,
         )
         _check(self.max_steps >= 1, "learner.max_steps", "must be >= 1", self.max_steps)
         _check(self.lr > 0, "learner.lr", "must be > 0", self.lr)

@@ -6,18 +6,21 @@ sequence) and completion-aligned tensors [B, C] (C = longest completion): `behav
 row b, the position in the shifted logits that predicts it (prompt_len_b - 1 + k).
 
 The same batch also comes split at the prompt, for scoring with a shared prompt: a group's
-trajectories all continue one prompt, so its keys and values need computing once, not once per
-sample (GRPO samples 8-64 completions a prompt). `prompt_ids` [U, P] holds each distinct run
-of equal prompts once (left-padded), `prompt_row` [B] says which one a row continues, and
-`completion_ids` [B, C] the completions (right-padded):
+trajectories all continue one prompt, so the prompt needs computing once, not once per sample
+(GRPO samples 8-64 completions a prompt). `prompt_ids` [U, P] holds each distinct run of equal
+prompts once, `prompt_row` [B] says which one a row continues, and `completion_ids` [B, C] the
+completions. `pack_shared_prompts` lays a prompt and its completions out in one row, each
+completion attending to the prompt and causally to itself only, at the positions it has in its
+own sequence:
 
 ```
-  prompt_ids  [U, P] --model, use_cache--> keys/values [U] --select prompt_row--> [B]
-                 +-- logits of the last prompt token: predict completion token 0
-  completion_ids[:, :-1] [B, C-1] --model, past = those keys/values--> predicts tokens 1..C-1
+  row:        p0 p1 p2 | a0 a1 a2 | b0 b1 | c0 c1 c2 c3 | pad      (completion inputs: all
+  positions:   0  1  2 |  3  4  5 |  3  4 |  3  4  5  6 |          but their last token)
+  a1 sees:    p0 p1 p2 , a0 a1            (never b or c)
+  logits:     p2 predicts token 0 of a, b and c; a_k predicts a_k+1
 ```
-Both ways give the same log-probs and gradients (tests/unit/test_batching.py); the shared way
-does the prompt's forward and backward once per group.
+Both ways give the same log-probs and gradients (tests/unit/test_batching.py); the packed way
+does the prompt's forward and backward once per row, in one model call.
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ class TrainBatch:
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]: which group each row belongs to
     min_policy_version: torch.Tensor  # int64 [B]
-    prompt_ids: torch.Tensor  # int64 [U, P]: each distinct run of equal prompts, left-padded
-    prompt_attention: torch.Tensor  # int64 [U, P]: 0 on the left padding
+    prompt_ids: torch.Tensor  # int64 [U, P]: each distinct run of equal prompts, right-padded
     prompt_row: torch.Tensor  # int64 [B]: the prompt_ids row that row b continues (ascending)
     prompt_len: torch.Tensor  # int64 [B]
     completion_ids: torch.Tensor  # int64 [B, C]: the completion tokens, right-padded
@@ -70,8 +72,7 @@ class TrainBatch:
             rewards=self.rewards[start:stop],
             group_index=self.group_index[start:stop],
             min_policy_version=self.min_policy_version[start:stop],
-            prompt_ids=self.prompt_ids[first:last, -prompt_width:],
-            prompt_attention=self.prompt_attention[first:last, -prompt_width:],
+            prompt_ids=self.prompt_ids[first:last, :prompt_width],
             prompt_row=self.prompt_row[start:stop] - first,
             prompt_len=self.prompt_len[start:stop],
             completion_ids=self.completion_ids[start:stop],
@@ -114,10 +115,8 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         prompt_row[row] = len(prompts) - 1
     prompt_width = max(int(p.shape[0]) for p in prompts)
     prompt_ids = np.full((len(prompts), prompt_width), pad_id, dtype=np.int64)
-    prompt_attention = np.zeros((len(prompts), prompt_width), dtype=np.int64)
     for i, prompt in enumerate(prompts):
-        prompt_ids[i, prompt_width - prompt.shape[0] :] = prompt
-        prompt_attention[i, prompt_width - prompt.shape[0] :] = 1
+        prompt_ids[i, : prompt.shape[0]] = prompt
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
@@ -130,7 +129,6 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
             [t.min_policy_version for _, t in trajs], dtype=torch.int64
         ),
         prompt_ids=torch.from_numpy(prompt_ids),
-        prompt_attention=torch.from_numpy(prompt_attention),
         prompt_row=torch.from_numpy(prompt_row),
         prompt_len=torch.tensor([t.prompt_len for _, t in trajs], dtype=torch.int64),
         completion_ids=torch.from_numpy(completions),
@@ -140,17 +138,88 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
     )
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Prompts and their completions packed into rows (see the module docstring)."""
+
+    input_ids: torch.Tensor  # int64 [R, T]
+    position_ids: torch.Tensor  # int64 [R, T]: positions within each sample's own sequence
+    attention: torch.Tensor  # bool [R, 1, T, T]: query t may attend to key t'
+    index: torch.Tensor  # int64 [B, C]: where in the flattened [R * T] the logits predicting
+    #                      completion token k of batch row b are (padding: any valid place)
+
+
+def pack_shared_prompts(batch: TrainBatch, row_tokens: int, pad_id: int = 0) -> PackedRows:
+    """Pack each prompt with as many of its completions as fit in `row_tokens` tokens (at least
+    one); the next completions start a new row with the prompt again. A completion contributes
+    its tokens but the last (nothing is predicted from it)."""
+    prompt_row = batch.prompt_row.tolist()
+    prompt_len = batch.prompt_len.tolist()
+    completion_len = batch.completion_len.tolist()
+    rows: list[list[int]] = []  # batch rows packed into each packed row
+    lengths: list[int] = []
+    for b, (u, plen, clen) in enumerate(zip(prompt_row, prompt_len, completion_len, strict=True)):
+        extra = max(clen - 1, 0)
+        fits = bool(rows) and prompt_row[rows[-1][0]] == u and lengths[-1] + extra <= row_tokens
+        if not fits:
+            rows.append([])
+            lengths.append(plen)
+        rows[-1].append(b)
+        lengths[-1] += extra
+    width = max(lengths)
+    num_rows, num_completion = len(rows), batch.completion_ids.shape[1]
+    ids = np.full((num_rows, width), pad_id, dtype=np.int64)
+    positions = np.zeros((num_rows, width), dtype=np.int64)
+    segment = -1 - np.tile(np.arange(width), (num_rows, 1))  # padding: a segment of its own
+    index = np.zeros((batch.num_rows, num_completion), dtype=np.int64)
+    prompts, completions = batch.prompt_ids.numpy(), batch.completion_ids.numpy()
+    for r, members in enumerate(rows):
+        plen = prompt_len[members[0]]
+        ids[r, :plen] = prompts[prompt_row[members[0]], :plen]
+        positions[r, :plen] = np.arange(plen)
+        segment[r, :plen] = 0
+        index[members, :] = r * width + plen - 1  # the last prompt token predicts token 0
+        at = plen
+        for seg, b in enumerate(members, start=1):
+            extra = max(completion_len[b] - 1, 0)
+            ids[r, at : at + extra] = completions[b, :extra]
+            positions[r, at : at + extra] = np.arange(plen, plen + extra)
+            segment[r, at : at + extra] = seg
+            index[b, 1 : 1 + extra] = r * width + np.arange(at, at + extra)
+            at += extra
+    seg = torch.from_numpy(segment)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])  # [R, query, key]
+    return PackedRows(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(positions),
+        attention=(same & causal).unsqueeze(1),
+        index=torch.from_numpy(index),
+    )
+
+
 def token_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float, share_prompt: bool = False
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float,
+    share_prompt: bool = False,
+    row_tokens: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, C] of the completion tokens under `model` (logits / temperature), and the
     per-token entropy [B, C] of that distribution (no gradient).
 
-    `share_prompt` scores each distinct prompt once (see the module docstring); a batch whose
-    rows share no prompt is scored the plain way, which is then one forward pass instead of two.
+    `share_prompt` packs each distinct prompt with its completions into rows of up to
+    `row_tokens` tokens (see the module docstring); a batch whose rows share no prompt is
+    scored the plain way.
     """
     if share_prompt and batch.num_prompts < batch.num_rows:
-        logits = _completion_logits_shared(model, batch)
+        packed = pack_shared_prompts(batch, row_tokens)
+        out = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention,
+            position_ids=packed.position_ids,
+        ).logits
+        logits = out.reshape(-1, out.shape[-1])[packed.index]
     else:
         logits = _completion_logits(model, batch)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -167,31 +236,3 @@ def _completion_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tenso
     logits = logits[:, :-1]
     index = batch.gather_index.clamp(max=logits.shape[1] - 1)
     return torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-
-
-def _completion_logits_shared(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """Logits [B, C, V] predicting each completion token, the prompts computed once each."""
-    prompt_attention = batch.prompt_attention
-    positions = (prompt_attention.cumsum(-1) - 1).clamp(min=0)
-    width = batch.completion_ids.shape[1]
-    prefix = model(
-        input_ids=batch.prompt_ids,
-        attention_mask=prompt_attention,
-        position_ids=positions,
-        use_cache=width > 1,
-    )
-    first = prefix.logits[batch.prompt_row, -1:]  # the last prompt token predicts token 0
-    if width == 1:
-        return first
-    cache = prefix.past_key_values
-    cache.batch_select_indices(batch.prompt_row)  # a differentiable gather: gradients add up
-    tokens = torch.arange(width - 1)
-    completion_attention = (tokens[None, :] < batch.completion_len[:, None]).long()
-    rest = model(
-        input_ids=batch.completion_ids[:, :-1],
-        attention_mask=torch.cat([prompt_attention[batch.prompt_row], completion_attention], dim=1),
-        position_ids=batch.prompt_len[:, None] + tokens[None, :],
-        past_key_values=cache,
-        use_cache=False,
-    ).logits
-    return torch.cat([first, rest], dim=1)

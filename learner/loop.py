@@ -231,8 +231,9 @@ class Learner:
 
     def score(self, rows: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [rows, C] of the completions under the current parameters."""
-        temperature, share = self.cfg.actor.temperature, self.cfg.learner.share_prompt
-        return token_logprobs(self.model, rows, temperature, share_prompt=share)
+        learner = self.cfg.learner
+        return token_logprobs(self.model, rows, self.cfg.actor.temperature,
+                              learner.share_prompt, learner.packed_row_tokens)  # fmt: skip
 
     def advantages(self, batch: Batch, data: TrainBatch) -> torch.Tensor:
         """Group-normalised advantages, one per row, in collate's row order."""

@@ -78,17 +78,17 @@ def _reference(cfg: RunConfig, model_dir: Path, groups: list[Group]) -> torch.nn
     model.train()
     optimizer = make_adamw(model, cfg.learner.lr, cfg.learner.weight_decay)
     data = collate(groups, pad_id=0)
-    share = cfg.learner.share_prompt
+    share, row_tokens = cfg.learner.share_prompt, cfg.learner.packed_row_tokens
     rewards = [torch.tensor(g.rewards)[None, :] for g in groups]
     advantages = torch.cat([group_advantages(r, std_norm=True)[0] for r in rewards])
     with torch.no_grad():
-        start_logprobs, _ = token_logprobs(model, data, 1.0, share_prompt=share)
+        start_logprobs, _ = token_logprobs(model, data, 1.0, share, row_tokens)
     parts = cfg.learner.minibatches
     bounds = [round(k * data.num_rows / parts) for k in range(parts + 1)]
     for first, last in zip(bounds, bounds[1:], strict=False):
         rows = data.rows(first, last)
         optimizer.zero_grad(set_to_none=True)
-        logprobs, _ = token_logprobs(model, rows, 1.0, share_prompt=share)
+        logprobs, _ = token_logprobs(model, rows, 1.0, share, row_tokens)
         proximal = start_logprobs[first:last] if parts > 1 else logprobs.detach()
         loss, _ = policy_loss(logprobs, proximal, rows.behavior_logprobs, advantages[first:last],
                               rows.mask, cfg.loss, num_samples_total=last - first,

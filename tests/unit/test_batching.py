@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.protocol import Group, Trajectory
-from learner.batching import TrainBatch, collate, token_logprobs
+from learner.batching import TrainBatch, collate, pack_shared_prompts, token_logprobs
 
 
 def _group(rng: np.random.Generator, group_id: str, lengths: list[tuple[int, int]]) -> Group:
@@ -102,36 +102,60 @@ def test_collate_keeps_each_distinct_prompt_once() -> None:
     assert batch.num_rows == 11
     assert batch.prompt_row.tolist() == [0, 0, 0, 0, 1, 1, 2, 3, 4, 4, 4]
     assert batch.prompt_ids.shape == (5, 7)
-    assert batch.prompt_attention.sum(dim=1).tolist() == [5, 2, 3, 4, 7]
     for row in range(batch.num_rows):
         plen, clen = int(batch.prompt_len[row]), int(batch.completion_len[row])
-        prompt = batch.prompt_ids[batch.prompt_row[row], 7 - plen :]
+        prompt = batch.prompt_ids[batch.prompt_row[row], :plen]
         assert torch.equal(prompt, batch.input_ids[row, :plen])
         completion = batch.completion_ids[row, :clen]
         assert torch.equal(completion, batch.input_ids[row, plen : plen + clen])
 
 
+def test_packing_lays_out_prompt_then_completions() -> None:
+    batch = collate(_mixed_batch(), pad_id=0)
+    packed = pack_shared_prompts(batch, row_tokens=12)
+    # g0 (prompt 5; completions 3, 6, 1, 4 -> inputs 2, 5, 0, 3): 5+2+5+0 = 12 fits, then a
+    # new row 5+3; g1: 2+1+4; g2: two prompts of its own; g3: 7 and three empty completions
+    assert packed.input_ids.shape == (6, 12)
+    ids, pos = packed.input_ids[0], packed.position_ids[0]
+    assert torch.equal(ids[:5], batch.prompt_ids[0, :5])
+    assert torch.equal(ids[5:7], batch.completion_ids[0, :2])
+    assert torch.equal(ids[7:12], batch.completion_ids[1, :5])
+    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9]
+    seen = packed.attention[0, 0]
+    assert seen[8].tolist() == [True] * 5 + [False] * 2 + [True, True] + [False] * 3
+    assert seen[3].tolist() == [True] * 4 + [False] * 8  # the prompt stays causal
+    # completion token k of row 1 is predicted at: the last prompt token, then its own inputs
+    assert packed.index[1, :6].tolist() == [4, 7, 8, 9, 10, 11]
+    assert packed.index[2].tolist() == [4] * 6  # one token: predicted by the prompt alone
+    assert packed.index[3, :4].tolist() == [12 + 4, 12 + 5, 12 + 6, 12 + 7]  # the next row
+    pad = packed.attention[-1, 0]  # g3's row: 7 prompt tokens, then padding (seen by none)
+    assert pad[9].tolist() == [True] * 7 + [False] * 2 + [True] + [False] * 2
+    assert not pad[:7, 7:].any()
+
+
 def _score(
-    model: torch.nn.Module, batch: TrainBatch, share: bool, weights: torch.Tensor
+    model: torch.nn.Module, batch: TrainBatch, share: bool, weights: torch.Tensor, row_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    logprobs, entropy = token_logprobs(model, batch, 0.7, share_prompt=share)
+    logprobs, entropy = token_logprobs(model, batch, 0.7, share, row_tokens)
     (logprobs * batch.mask * weights).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return logprobs.detach() * batch.mask, entropy * batch.mask, grads
 
 
-@pytest.mark.parametrize(("start", "stop"), [(0, 11), (2, 7), (4, 10), (8, 11)])
+@pytest.mark.parametrize(
+    ("start", "stop", "row_tokens"), [(0, 11, 256), (0, 11, 9), (2, 7, 256), (4, 10, 8), (8, 11, 1)]
+)
 def test_shared_prompt_scores_and_gradients_equal_whole_rows(
-    tiny_model_dir: Path, start: int, stop: int
+    tiny_model_dir: Path, start: int, stop: int, row_tokens: int
 ) -> None:
     batch = collate(_mixed_batch(), pad_id=0)
     rows = batch if (start, stop) == (0, batch.num_rows) else batch.rows(start, stop)
     assert rows.num_prompts < rows.num_rows  # the shared path is the one taken
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     weights = torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(start))
-    want_lp, want_ent, want_grads = _score(model, rows, False, weights)
-    got_lp, got_ent, got_grads = _score(model, rows, True, weights)
+    want_lp, want_ent, want_grads = _score(model, rows, False, weights, row_tokens)
+    got_lp, got_ent, got_grads = _score(model, rows, True, weights, row_tokens)
     torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_ent, want_ent, atol=1e-5, rtol=1e-5)
     for name, grad in want_grads.items():
