@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -106,16 +107,33 @@ def thread_split(cfg: RunConfig) -> tuple[int, int]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being written right now
-    return rows
+    """Every complete record of a metrics.jsonl (the line being written is left for later)."""
+    return MetricsTail(path, keep=None).poll()
+
+
+class MetricsTail:
+    """The records a growing metrics.jsonl gained since the last poll, parsed once each: the
+    progress line of a long run costs its new lines, not the whole file every second."""
+
+    def __init__(self, path: Path, keep: int | None = 10) -> None:
+        self.path = path
+        self.offset = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The last `keep` records (all of them with keep=None), new ones read first."""
+        if self.path.is_file():
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            complete = data.rfind(b"\n") + 1  # a line without its newline is still being written
+            for line in data[:complete].splitlines():
+                try:
+                    self.recent.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # blank, or torn by a crash and continued by a resumed learner
+            self.offset += complete
+        return list(self.recent)
 
 
 def progress_line(rows: list[dict[str, Any]], elapsed_s: float) -> str:
@@ -241,6 +259,7 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
             "learner", learner_args + (["--resume"] if resume else []), threads=learner_threads
         )
         next_print = 0.0
+        tail = MetricsTail(run_dir / "metrics.jsonl")
         while learner.poll() is None:
             elapsed = time.monotonic() - start
             if cfg.run.max_wall_s and elapsed > cfg.run.max_wall_s:
@@ -255,7 +274,7 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
                     f"{', '.join(procs.failed())} exited with an error; see the logs in {run_dir}"
                 )
             if not quiet and elapsed >= next_print:
-                print(progress_line(read_metrics(run_dir / "metrics.jsonl"), elapsed), flush=True)
+                print(progress_line(tail.poll(), elapsed), flush=True)
                 next_print = elapsed + cfg.run.progress_every_s
             time.sleep(0.1)
     except KeyboardInterrupt:
