@@ -19,8 +19,9 @@ those, so π_prox = π_θ.detach() and no second forward pass is needed; with se
 one no-grad forward over the batch computes it first. Logprobs are taken under
 logits / actor.temperature, the distribution the actors sampled from; with
 `learner.share_prompt` each group's prompt is computed once, packed in one row with its
-completions (learner/batching.py), for the same log-probs and gradients. Advantages are group-normalised over each whole group
-before micro-batching. `policy_version` counts optimizer steps and survives `--resume`.
+completions (learner/batching.py), for the same log-probs and gradients. Advantages are
+group-normalised over each whole group before micro-batching. `policy_version` counts optimizer
+steps and survives `--resume`.
 """
 
 from __future__ import annotations
