@@ -149,7 +149,7 @@ class PackedRows:
     #                      completion token k of batch row b are (padding: any valid place)
 
 
-def pack_shared_prompts(batch: TrainBatch, row_tokens: int, pad_id: int = 0) -> PackedRows:
+def pack_shared_prompts(batch: TrainBatch, row_tokens: int) -> PackedRows:
     """Pack each prompt with as many of its completions as fit in `row_tokens` tokens (at least
     one); the next completions start a new row with the prompt again. A completion contributes
     its tokens but the last (nothing is predicted from it)."""
@@ -168,7 +168,7 @@ def pack_shared_prompts(batch: TrainBatch, row_tokens: int, pad_id: int = 0) -> 
         lengths[-1] += extra
     width = max(lengths)
     num_rows, num_completion = len(rows), batch.completion_ids.shape[1]
-    ids = np.full((num_rows, width), pad_id, dtype=np.int64)
+    ids = np.zeros((num_rows, width), dtype=np.int64)  # padding is never attended: any id
     positions = np.zeros((num_rows, width), dtype=np.int64)
     segment = -1 - np.tile(np.arange(width), (num_rows, 1))  # padding: a segment of its own
     index = np.zeros((batch.num_rows, num_completion), dtype=np.int64)
