@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.config import LearnerConfig
 from asyncrl.protocol import Group
 
 
@@ -203,7 +204,7 @@ def token_logprobs(
     batch: TrainBatch,
     temperature: float,
     share_prompt: bool = False,
-    row_tokens: int = 256,
+    row_tokens: int = LearnerConfig.packed_row_tokens,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, C] of the completion tokens under `model` (logits / temperature), and the
     per-token entropy [B, C] of that distribution (no gradient).

@@ -38,6 +38,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from torch.utils.tensorboard.summary import histogram
 
+from asyncrl import run as asyncrl_run
+
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 _RESERVED = ("step", "time")
@@ -127,17 +129,8 @@ def _summary(clean: dict[str, float | int | list[float]]) -> Summary:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of `<run_dir>/metrics.jsonl`, in order (a torn last line is skipped)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    """All records of `<run_dir>/metrics.jsonl`, in order (a torn line is skipped)."""
+    return asyncrl_run.read_metrics(Path(run_dir) / METRICS_FILE)
 
 
 def _clean(key: str, value: object) -> float | int | list[float]:
