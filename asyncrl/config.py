@@ -31,7 +31,8 @@ class RunSection:
     seed: int = 0
     """Base seed: actors use seed + actor index, the learner uses seed."""
     num_actors: int = 1
-    """Rollout actor processes that `asyncrl run` starts."""
+    """Rollout actors in the run: `asyncrl run` starts this many, and the learner waits for this
+    many to connect before its first step (at most learner.wait_actors_s)."""
     max_wall_s: float = 0.0
     """Wall-clock budget of `asyncrl run` in seconds; 0 means no limit (stop at max_steps)."""
     progress_every_s: float = 1.0
@@ -295,6 +296,11 @@ class LearnerConfig:
     """Publish weights to actors every N steps."""
     world: int = 1
     """Learner ranks (torch.distributed world size)."""
+    wait_actors_s: float = 600.0
+    """Before its first step the learner waits up to this long for run.num_actors actors to
+    connect, so that every actor holds the starting weights and a short run does not end before
+    an actor that is still loading its engine has joined. Past it, the learner starts with the
+    actors connected by then and says how many are missing (0 = do not wait)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -332,6 +338,7 @@ class LearnerConfig:
         )
         _check(self.publish_every >= 1, "learner.publish_every", "must be >= 1", self.publish_every)
         _check(self.world >= 1, "learner.world", "must be >= 1", self.world)
+        _check(self.wait_actors_s >= 0, "learner.wait_actors_s", "must be >= 0", self.wait_actors_s)
 
 
 @dataclass(frozen=True, kw_only=True)

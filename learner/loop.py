@@ -263,6 +263,31 @@ class Learner:
                 return  # shutting down (the hub may be gone too): keep the last members
         raise TimeoutError("hub did not answer Version with Members within 10 s")
 
+    def wait_for_actors(self, num_actors: int, timeout_s: float) -> None:
+        """Hold the first step until `num_actors` actors are connected (or `timeout_s` passes).
+
+        Members only come back in answer to Version, so the current version is re-sent every
+        half second. Each change in the count is printed. The clock of metrics.jsonl's time_s
+        starts when the wait ends.
+        """
+        deadline = time.monotonic() + timeout_s
+        shown = -1
+        while len(self.members) < num_actors and not self.stop_event.is_set():
+            if len(self.members) != shown:
+                shown = len(self.members)
+                joined = f" ({', '.join(self.members)})" if self.members else ""
+                print(f"learner: waiting for actors: {shown} of {num_actors} connected{joined}", flush=True)  # fmt: skip
+            if time.monotonic() >= deadline:
+                print(
+                    f"learner: only {shown} of run.num_actors={num_actors} actors connected "
+                    f"within learner.wait_actors_s={timeout_s:g} s; starting with them",
+                    flush=True,
+                )
+                break
+            time.sleep(0.5)
+            self.report_version()
+        self.start_time = time.time()
+
     def publish(self) -> None:
         """Snapshot the weights and hand them to the publisher thread (non-blocking)."""
         self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
@@ -469,6 +494,7 @@ def main(argv: Sequence[str]) -> int:
             flush=True,
         )
         learner.report_version()
+        learner.wait_for_actors(cfg.run.num_actors, cfg.learner.wait_actors_s)
         learner.train(log)
     finally:
         try:
