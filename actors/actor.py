@@ -30,6 +30,7 @@ re-issued at once) and says Bye; the exit code is 0.
 from __future__ import annotations
 
 import argparse
+import collections
 import faulthandler
 import json
 import os
@@ -56,6 +57,8 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
+
+ROUND_RECORDS = 4096  # rounds whose generate time the status file keeps (the latest ones)
 
 
 class Actor:
@@ -98,6 +101,8 @@ class Actor:
             "wait_weights_s": 0.0,
             "wall_s": 0.0,
         }
+        self.round_generate_s: collections.deque[float] = collections.deque(maxlen=ROUND_RECORDS)
+        """engine.generate seconds of the latest rounds (their spread feeds the simulator)."""
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.started = time.perf_counter()
         self.eos_id = int(tokenizer.eos_token_id)
@@ -217,6 +222,7 @@ class Actor:
         gen_s = time.perf_counter() - start
         self.stats["generate_s"] += gen_s
         self.stats["rounds"] += 1
+        self.round_generate_s.append(gen_s)
         return self.make_groups(credits, requests, outputs, policy_version, gen_s)
 
     def request_for(self, credit: CreditItem) -> GenerationRequest:
@@ -397,6 +403,7 @@ def write_status(path: Path, actor: Actor) -> None:
         "policy_version": actor.engine.policy_version,
         "weights_digest": digest_named_tensors(actor.engine.named_weights()),
         "stats": actor.stats,
+        "round_generate_s": [round(s, 6) for s in actor.round_generate_s],
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(status, indent=1))

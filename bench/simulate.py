@@ -11,7 +11,9 @@ the error per point; `predict` runs the stated `ClusterAssumptions` (bench/sim/c
 each η, repeated over seeds (median/min/max), and writes bench/results/simulate.json and
 bench/results/simulate_world512.png (named after --world). Both record the command.
 The model is asyncrl's behaviour: actors wait for weights >= c - η, the learner pipelines its
-sample request; `--what-if-no-weight-wait` also runs actors that start at once (the earlier
+sample request. `calibrate` also fits a message latency (from the η = 0 points) and lets batch
+and step times vary as measured; `predict` takes both as 0 (one hop of a millisecond against
+generation and step times of seconds) and one batch of credits per actor; `--what-if-no-weight-wait` also runs actors that start at once (the earlier
 actor), for comparison.
 """
 
@@ -55,7 +57,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for q in (cal, pre):
         q.add_argument("--measured", default=str(RESULTS / "staleness.json"))
         q.add_argument("--out", default=str(RESULTS / "simulate.json"))
-    cal.add_argument("--steps", type=int, default=60, help="simulated steps per point")
+    cal.add_argument("--steps", type=int, default=1000, help="simulated steps per point")
+    cal.add_argument(
+        "--no-spread",
+        action="store_true",
+        help="every batch and step takes its mean time (ignore the measured time quantiles)",
+    )
     pre.add_argument("--world", type=int, default=512, help="learner GPUs L")
     pre.add_argument("--actors", type=int, default=2048, help="rollout actors A")
     pre.add_argument("--concurrency", type=int, default=None)
@@ -177,12 +184,12 @@ def _summary(eta: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def calibration_section(measured: str, steps: int = 60) -> dict[str, Any]:
+def calibration_section(measured: str, steps: int = 1000, spread: bool = True) -> dict[str, Any]:
     """Calibrate when measured points exist; otherwise say why not."""
     if not Path(measured).is_file():
         return {"status": f"not run: {measured} not found (bench/staleness.py writes it)"}
-    cal = calibrate(load_points(measured), num_steps=steps)
-    return {"status": "ok", "measured": measured, **cal.to_dict()}
+    cal = calibrate(load_points(measured), num_steps=steps, spread=spread)
+    return {"status": "ok", "measured": measured, "spread": spread, **cal.to_dict()}
 
 
 def print_calibration(section: dict[str, Any]) -> None:
@@ -192,6 +199,10 @@ def print_calibration(section: dict[str, Any]) -> None:
     g = section["generation"]
     print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
           f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s")  # fmt: skip
+    fit = section["latency_fit"]
+    print(f"message latency {section['message_latency_s'] * 1e3:.3g} ms "
+          f"({fit['status']}; hops per step {[round(h, 2) for h in fit.get('hops_per_step', [])]}); "
+          f"time spread {'on' if section['spread'] else 'off'}")  # fmt: skip
     for loss, f in section["learner"].items():
         print(f"learner[{loss}]: {f['overhead_s']:.4g} s + {f['token_s']:.4g} s/token/rank "
               f"+ {f['outside_s']:.4g} s outside the step")  # fmt: skip
@@ -308,7 +319,9 @@ def main(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        section = calibration_section(args.measured, args.steps) | provenance(argv)
+        section = calibration_section(args.measured, args.steps, not args.no_spread) | provenance(
+            argv
+        )
         print_calibration(section)
         out = Path(args.out)  # keep an earlier prediction, replace its calibration
         data = json.loads(out.read_text()) if out.is_file() else {}

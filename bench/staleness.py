@@ -101,6 +101,9 @@ def measure(
         "dropped_stale": sum(int(r["dropped_stale"]) for r in rows),
         "sync_s": statistics.fmean(r["weight_sync_s"] for r in train),
         "step_time_s": statistics.fmean(r["step_s"] for r in train),
+        # the spread of both sides' times, as 101 quantiles (seconds), for the simulator
+        "step_time_quantiles": time_quantiles([r["step_s"] for r in train]),
+        "generate_time_quantiles": time_quantiles([s for a in actors for s in a.get("round_generate_s", ())]),
         "generate_time_s": statistics.fmean(s.get("generate_s", 0.0) / n for s, n in zip(actor_stats, rounds, strict=True)) if actor_stats else None,
         "response_lengths": [round(r["response_len_mean"], 3) for r in rows],
         "prompt_tokens": None,  # filled in by main from the config
@@ -109,6 +112,14 @@ def measure(
         **{key: statistics.fmean(r[key] for r in train) for key in DIAGNOSTICS if key in rows[0]},
         "curve": [[round(r["time_s"], 3), r["step"], round(r["reward_mean"], 4)] for r in rows],
     }  # fmt: skip
+
+
+def time_quantiles(seconds: list[float], num: int = 101) -> list[float] | None:
+    """`num` equally spaced quantiles of measured times (None with fewer than 2 times)."""
+    if len(seconds) < 2:
+        return None
+    cuts = statistics.quantiles(seconds, n=num - 1, method="inclusive")
+    return [round(x, 6) for x in (min(seconds), *cuts, max(seconds))]
 
 
 def reward_at(points: list[dict[str, Any]]) -> None:

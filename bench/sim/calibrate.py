@@ -27,6 +27,8 @@ measured run per staleness bound. Numbers may be plain or `{"median": x, "min": 
       dropped_stale            optional: groups dropped as stale over the run
       generation_batches       optional: [[seqs, max_len, total_tokens, seconds], ...] per batch
       step_records             optional: [[tokens, seconds], ...] per learner step
+      step_time_quantiles      optional: equally spaced quantiles of the learner step times
+      generate_time_quantiles  optional: the same of the actors' generation batch times
       (anything else is ignored)
 
 Free parameters, fitted by non-negative least squares on relative errors:
@@ -35,7 +37,16 @@ Free parameters, fitted by non-negative least squares on relative errors:
   points (generation does not depend on the loss);
 - learner: overhead_s and token_s of `timing.LearnerTime` (world from the config), per loss
   (the losses do different work per step);
-- weight sync: the measured mean `sync_s` as one constant per publication.
+- weight sync: the measured mean `sync_s` as one constant per publication;
+- message latency (`SimConfig.message_latency_s`), from the η = 0 points alone: there every
+  hand-off is on the critical path and generation and training never overlap, so a step's
+  mean period is the sum of the mean times plus latency × the hops of one cycle, whatever the
+  times' spread. Each η = 0 point that carries its time quantiles is simulated with its own times at latency 0 and at a small
+  latency δ (the same draws, so the difference is hops × δ per step exactly); the latency is
+  the mean over those points of (measured period - simulated period) / hops, at least 0 (and
+  0 without such points: with mean times only, several actors generating side by side would
+  wait for the slowest of them, and that wait would pass for latency). The points at η ≥ 1
+  then test it out of sample.
 
 Two times are not fitted but read off each point's own clock and averaged:
 - the learner's time per step outside its optimizer step and its wait for data (weight
@@ -45,6 +56,10 @@ Two times are not fitted but read off each point's own clock and averaged:
   pushing groups, loading weights): (1 - actor_wait_fraction) · wall / rounds - generate_time_s,
   with rounds = (steps · B + dropped_stale) / concurrency (full rounds assumed); when a point
   lacks `steps`, 0.
+
+Times vary from batch to batch as the point's measured quantiles say (`step_time_quantiles`,
+`generate_time_quantiles`; `spread=False` uses the mean times only): with little slack between
+the two sides (η = 1 here), the variation is what makes the learner wait.
 
 Output: the fitted parameters, the residuals of both fits, and per point the simulated run
 next to the measured one: relative error of samples/s, absolute (and, where the measured value
@@ -68,7 +83,7 @@ import numpy as np
 from asyncrl.config import RunConfig, from_dict
 
 from .model import SimConfig, simulate
-from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync
+from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync, check_spread
 
 REL_FLOOR = 0.05  # below this a wait fraction's relative error is not meaningful
 
@@ -91,6 +106,8 @@ class Point:
     sync_s: float
     generation_batches: tuple[tuple[float, float, float, float], ...]
     step_records: tuple[tuple[float, float], ...]
+    step_spread: tuple[float, ...]
+    generate_spread: tuple[float, ...]
     loss: str
     learner_outside_s: float
     actor_outside_s: float
@@ -116,6 +133,9 @@ class Calibration:
     learner: dict[str, LearnerFit]
     """Per loss."""
     sync_s: float
+    message_latency_s: float
+    latency_fit: dict[str, Any]
+    """How the latency was found: per η = 0 point its estimate and the hops per step."""
     generation_fit_rel_err: list[float]
     step_fit_rel_err: list[float]
     points: list[dict[str, Any]]
@@ -183,6 +203,8 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
         sync_s=_num(raw, "sync_s", where, 0.0),
         generation_batches=tuple(tuple(map(float, b)) for b in raw.get("generation_batches", ())),
         step_records=tuple(tuple(map(float, s)) for s in raw.get("step_records", ())),
+        step_spread=_spread(raw, "step_time_quantiles", where),
+        generate_spread=_spread(raw, "generate_time_quantiles", where),
         loss=str(raw.get("loss", "")),
         learner_outside_s=max(0.0, period * (1 - learner_wait) - step_s),
         actor_outside_s=actor_outside,
@@ -191,6 +213,12 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
         if isinstance(raw.get("steps"), (int, float)) and "dropped_stale" in raw
         else None,
     )
+
+
+def _spread(raw: dict[str, Any], key: str, where: str) -> tuple[float, ...]:
+    values = tuple(float(x) for x in raw.get(key) or ())
+    check_spread(values, f"{where}.{key}")
+    return values
 
 
 def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
@@ -274,10 +302,11 @@ def fit_learner(points: Sequence[Point]) -> tuple[float, float, list[float]]:
     return float(x[0]), float(x[1]), [float(e) for e in errs]
 
 
-def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60,
-                   warmup_steps: int = 10, own_times: bool = False) -> SimConfig:  # fmt: skip
+def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_steps: int = 10,
+                   own_times: bool = False, spread: bool = True) -> SimConfig:  # fmt: skip
     """The simulated counterpart of a measured point under a calibration (or, with
-    `own_times`, under the point's own measured generation, step and sync times)."""
+    `own_times`, under the point's own measured generation, step and sync times). With
+    `spread`, batch and step times vary as the point's measured ones did (their quantiles)."""
     lengths = LengthModel(
         measured=point.response_lengths,
         max_tokens=max(point.response_lengths),
@@ -298,6 +327,9 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60,
         generation = GenerationTime(fixed_s=point.generate_time_s + point.actor_outside_s)
         learner = LearnerTime(overhead_s=point.step_time_s + point.learner_outside_s)
         sync_s = point.sync_s
+    if spread:
+        generation = dataclasses.replace(generation, spread=point.generate_spread)
+        learner = dataclasses.replace(learner, spread=point.step_spread)
     return SimConfig.from_run_config(
         point.cfg,
         num_steps=num_steps,
@@ -306,11 +338,35 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60,
         generation=generation,
         learner=learner,
         sync=WeightSync(num_buckets=1, bucket_latency_s=sync_s),
+        message_latency_s=cal.message_latency_s,
     )
 
 
-def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10) -> Calibration:
-    """Fit the time models, then simulate every point and compare."""
+def fit_latency(points: Sequence[Point], cal: Calibration, num_steps: int, warmup_steps: int,
+                spread: bool, delta_s: float = 1e-3) -> tuple[float, dict[str, Any]]:  # fmt: skip
+    """The message latency that closes the η = 0 points' period gap (see the module docstring)."""
+    estimates, hops = [], []
+    for p in points:
+        if p.max_staleness != 0 or not (spread and p.step_spread and p.generate_spread):
+            continue  # with mean times only, parallel actors' waits would pass for latency
+        base = sim_config_for(p, cal, num_steps, warmup_steps, True, spread)
+        at0 = simulate(base)
+        atd = simulate(dataclasses.replace(base, message_latency_s=delta_s))
+        per_step = base.samples_per_step
+        period0, period_d = per_step / at0.samples_per_s, per_step / atd.samples_per_s
+        k = (period_d - period0) / delta_s
+        estimates.append((per_step / p.samples_per_s - period0) / k)
+        hops.append(k)
+    if not estimates:
+        return 0.0, {"status": "no η = 0 point with time quantiles (or spread off): latency 0"}
+    latency = max(0.0, float(np.mean(estimates)))
+    return latency, {"status": "ok", "per_point_s": estimates, "hops_per_step": hops}
+
+
+def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10,
+              spread: bool = True) -> Calibration:  # fmt: skip
+    """Fit the time models, then simulate every point and compare (`spread`: see
+    `sim_config_for`)."""
     gen, gen_errs = fit_generation(points)
     learner: dict[str, LearnerFit] = {}
     step_errs = [0.0] * len(points)
@@ -322,10 +378,15 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
         for i, e in zip(idx, errs, strict=True):
             step_errs[i] = e
     sync_s = float(np.mean([p.sync_s for p in points]))
-    cal = Calibration(gen, learner, sync_s, gen_errs, step_errs, [])
+    cal = Calibration(
+        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0, latency_fit={},
+        generation_fit_rel_err=gen_errs, step_fit_rel_err=step_errs, points=[],
+    )  # fmt: skip
+    latency, how = fit_latency(points, cal, num_steps, warmup_steps, spread)
+    cal = dataclasses.replace(cal, message_latency_s=latency, latency_fit=how)
     for p in points:
-        sim = simulate(sim_config_for(p, cal, num_steps, warmup_steps))
-        own = simulate(sim_config_for(p, cal, num_steps, warmup_steps, own_times=True))
+        sim = simulate(sim_config_for(p, cal, num_steps, warmup_steps, spread=spread))
+        own = simulate(sim_config_for(p, cal, num_steps, warmup_steps, True, spread))
         cal.points.append(_compare(p, sim.to_dict()) | {"own_times": _compare(p, own.to_dict())})
     return cal
 

@@ -2,9 +2,9 @@
 
 ```
                  credits (replay.admission: AReaL window at the actor's weights, capacity,
-                 concurrency)
+                 credit window)
    A actors  <----------------------------------------------  SimHub (real ReplayBuffer)
-   take all held credits, generate them as one batch           |  ^     ^
+   take up to `concurrency` held credits, generate one batch   |  ^     ^
    (time: timing.GenerationTime), push one Group each  ------>-+  |     | SampleRequest(v, B)
    WeightsLoaded(w) on every swap  ---------------------------|->+     | (parked until B groups
         ^                                                      | batch  |  with v - min <= η)
@@ -20,7 +20,7 @@ Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`, `replay
   w must be consumed by version w + η, so credits the window at w has no room for would only
   make groups that go stale. An actor swaps in the newest weights at each generation boundary
   (the end of its batch) and, when idle, as soon as a sync lands, and reports each swap to the
-  hub (WeightsLoaded, zero latency), whose window for it moves up at once.
+  hub (WeightsLoaded), whose window for it moves up when that message arrives.
 - An actor holding credits granted at hub version c waits, at its generation boundary, until it
   holds weights >= c - η, rounded down to a published version (every `publish_every`-th)
   (`Actor.wait_for_weights`); the wait counts as idle. `wait_for_weights=False` models the
@@ -34,9 +34,12 @@ Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`, `replay
 Event loop: a heap of (time, priority, serial, handler). At equal times, completed weight
 syncs run first, then finished generations, then finished learner steps, then actors starting
 their next batch, so an actor that starts at the instant new weights land uses them and takes
-every credit granted at that instant (also those its own WeightsLoaded opened). After every
+the credits granted at that instant (also those its own WeightsLoaded opened). After every
 event that changes the hub's state, the hub grants credits and serves the parked request, as
-`replay/server.py`'s loop does (message latency is zero). Versions and staleness follow the
+`replay/server.py`'s loop does. Every message (credits, groups, WeightsLoaded, SampleRequest,
+Version, a batch) acts `message_latency_s` after it is sent (a delivery event, after the
+learner's step ends and before actors start at the same instant); with 0 it acts at once, in
+the sender's event. Versions and staleness follow the
 real system: an actor stamps its whole batch with the version loaded at the batch's start
 (min = max policy version); the learner consumes at version v and the hub records staleness
 v - min_policy_version.
@@ -44,7 +47,8 @@ v - min_policy_version.
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
 `warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
 
-Not modelled: message latency and the hub's own processing time, actor failures and heartbeats,
+Not modelled: the hub's own processing time (apart from the message latency), actor failures
+and heartbeats,
 heterogeneous actors, an engine's batch limit (a batch beyond vLLM's max_num_seqs would run in
 waves), reuse (`max_times_sampled` > 1), and the reward cost apart from a fixed per-batch part.
 """
@@ -62,10 +66,10 @@ import numpy as np
 from asyncrl.config import RunConfig
 
 from .hub import Credit, SimHub
-from .timing import GenerationTime, LearnerTime, LengthModel, WeightSync
+from .timing import GenerationTime, LearnerTime, LengthModel, Spread, WeightSync
 from .tracker import Tracker
 
-PRIO_SYNC, PRIO_GEN_DONE, PRIO_STEP_DONE, PRIO_ACTOR_START = 0, 1, 2, 3
+PRIO_SYNC, PRIO_GEN_DONE, PRIO_STEP_DONE, PRIO_MESSAGE, PRIO_ACTOR_START = 0, 1, 2, 3, 4
 
 
 class SimulationStalled(RuntimeError):
@@ -79,13 +83,17 @@ class SimConfig:
     num_actors: int
     """Rollout actors A."""
     concurrency: int
-    """Credits (groups) one actor holds and generates together (actor.concurrency)."""
+    """Groups one actor generates together as one batch, at most (actor.concurrency)."""
     group_size: int
     """Samples per group (actor.group_size)."""
     groups_per_step: int
     """Groups per optimizer step B (learner.groups_per_step)."""
     max_staleness: int
     """η (replay.max_staleness)."""
+    credit_window: int = 0
+    """Credits one actor asks the hub to keep it supplied with (actor.num_window_credits);
+    0 = concurrency. A larger window holds the next batch's credits while one generates, so no
+    credit round trip (message_latency_s twice) sits between batches."""
     capacity_groups: int = 1_000_000
     """Hub capacity in groups (replay.capacity_groups); large = never binding."""
     sampling: Literal["fifo", "freshest"] = "fifo"
@@ -105,6 +113,10 @@ class SimConfig:
     pipeline_requests: bool = True
     """asyncrl's learner: the request for step k+1 (version v+1) goes out as soon as batch k
     arrives. False = a learner that requests (version v+1) only after its step."""
+    message_latency_s: float = 0.0
+    """One-way delay of every message between the actors, the hub and the learner (credits,
+    groups, WeightsLoaded, SampleRequest, Version, batches): transport, decode and the
+    receiver's scheduling. 0 = every message acts at the instant it is sent."""
     lengths: LengthModel = field(default_factory=LengthModel)
     generation: GenerationTime = field(default_factory=GenerationTime)
     learner: LearnerTime = field(default_factory=LearnerTime)
@@ -114,6 +126,10 @@ class SimConfig:
         for name in ("num_actors", "concurrency", "group_size", "groups_per_step", "num_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.credit_window and self.credit_window < self.concurrency:
+            raise ValueError(
+                f"credit_window: must be 0 or >= concurrency = {self.concurrency}, got {self.credit_window}"
+            )
         if self.max_staleness < 0 or self.publish_every < 1:
             raise ValueError("max_staleness must be >= 0 and publish_every >= 1")
         if self.publish_every > self.max_staleness + 1:  # as asyncrl.config refuses it
@@ -121,6 +137,8 @@ class SimConfig:
                 f"publish_every: must be <= max_staleness + 1 = {self.max_staleness + 1}, "
                 f"got {self.publish_every} (a version no published weights can serve)"
             )
+        if not self.message_latency_s >= 0:
+            raise ValueError(f"message_latency_s: must be >= 0, got {self.message_latency_s}")
         if not 0 <= self.warmup_steps < self.num_steps:
             raise ValueError(f"warmup_steps: must be in [0, num_steps), got {self.warmup_steps}")
 
@@ -134,6 +152,7 @@ class SimConfig:
         shape: dict[str, Any] = dict(
             num_actors=cfg.run.num_actors,
             concurrency=cfg.actor.concurrency,
+            credit_window=cfg.actor.num_window_credits,
             group_size=cfg.actor.group_size,
             groups_per_step=cfg.learner.groups_per_step,
             max_staleness=cfg.replay.max_staleness,
@@ -189,13 +208,16 @@ class Simulation:
             seed=cfg.seed,
         )
         self.lengths = _LengthPool(cfg.lengths, np.random.default_rng(cfg.seed))
+        # own streams, so adding a spread leaves the length draws as they were
+        self.gen_spread = Spread(cfg.generation.spread, np.random.default_rng([cfg.seed, 1]))
+        self.step_spread = Spread(cfg.learner.spread, np.random.default_rng([cfg.seed, 2]))
         self.now = 0.0
         self.events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
         self.serial = itertools.count()
         self.actors = [_Actor(f"actor-{i:06d}") for i in range(cfg.num_actors)]
         self.by_id = {a.actor_id: a for a in self.actors}
         for actor in self.actors:
-            self.hub.register(actor.actor_id, cfg.concurrency)
+            self.hub.register(actor.actor_id, cfg.credit_window or cfg.concurrency)
         self.group_tokens: dict[tuple[str, int], int] = {}
         self.policy_version = 0
         self.steps_done = 0
@@ -228,21 +250,45 @@ class Simulation:
     def at(self, t: float, prio: int, handler: Callable[[Any], None], arg: Any = None) -> None:
         heapq.heappush(self.events, (t, prio, next(self.serial), handler, arg))
 
+    def to_hub(self, handler: Callable[..., None], *args: Any) -> None:
+        """A message to the hub: handled now, or after the latency and then a hub tick (the
+        sender's own tick, at send time, has nothing new to act on then)."""
+        if not self.cfg.message_latency_s:
+            handler(*args)
+            return
+
+        def arrive(_arg: Any) -> None:
+            handler(*args)
+            self.hub_tick()
+
+        self.at(self.now + self.cfg.message_latency_s, PRIO_MESSAGE, arrive)
+
+    def to_client(self, handler: Callable[[Any], None], arg: Any) -> None:
+        """A message from the hub to an actor or the learner."""
+        if not self.cfg.message_latency_s:
+            handler(arg)
+        else:
+            self.at(self.now + self.cfg.message_latency_s, PRIO_MESSAGE, handler, arg)
+
     def hub_tick(self) -> None:
         """The hub's loop after a message: grant credits, serve the parked request."""
         while True:
             for actor_id, credits in self.hub.grant().items():
-                actor = self.by_id[actor_id]
-                actor.held.extend(credits)
-                need = credits[-1].policy_version - self.cfg.max_staleness
-                actor.min_weights = max(actor.min_weights, need)
-                self.wake(actor)
+                self.to_client(self.actor_credits, (self.by_id[actor_id], credits))
             batch = self.hub.serve()
             if batch is None:
                 return
-            self.learner_receive(batch)  # then grant again: sampling may have freed room
+            self.to_client(self.learner_receive, batch)  # then grant again: room may be freed
 
     # --- actors ---------------------------------------------------------------------------------
+
+    def actor_credits(self, arg: tuple[_Actor, list[Credit]]) -> None:
+        """Credits reach an actor: hold them, note the weights they need, start if idle."""
+        actor, credits = arg
+        actor.held.extend(credits)
+        need = credits[-1].policy_version - self.cfg.max_staleness
+        actor.min_weights = max(actor.min_weights, need)
+        self.wake(actor)
 
     def wake(self, actor: _Actor) -> None:
         if not actor.busy and not actor.start_pending and actor.held:
@@ -258,12 +304,12 @@ class Simulation:
         if actor.busy or actor.version >= self.weights.available:
             return False
         actor.version = self.weights.available
-        self.hub.weights_loaded(actor.actor_id, actor.version)
+        self.to_hub(self.hub.weights_loaded, actor.actor_id, actor.version)
         return True
 
     def actor_start(self, actor: _Actor) -> None:
         """Start a batch with the weights loaded (the newest: an idle actor swaps at once) and
-        every held credit."""
+        up to `concurrency` held credits."""
         actor.start_pending = False
         assert actor.version == self.weights.available, "an idle actor holds the newest weights"
         if self.cfg.wait_for_weights:
@@ -272,11 +318,13 @@ class Simulation:
             if self.weights.available < needed:
                 self.weights.waiters.append(actor)
                 return
-        credits, actor.held = actor.held, []
+        batch = self.cfg.concurrency
+        credits, actor.held = actor.held[:batch], actor.held[batch:]
         actor.busy = True
         n = len(credits) * self.cfg.group_size
         lengths = self.lengths.take(n)
         seconds = self.cfg.generation.seconds(lengths, self.cfg.lengths.prompt_tokens)
+        seconds *= self.gen_spread.draw()
         self.track.actor_started(+1)
         self.at(self.now + seconds, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
         self.track.generation(seconds, n)
@@ -286,12 +334,13 @@ class Simulation:
         actor, credits, lengths = arg
         size = self.cfg.group_size
         prompt_tokens = self.cfg.lengths.prompt_tokens * size
+        groups = []
         for i, credit in enumerate(credits):
-            group = self.hub.make_group(actor.actor_id, actor.seq, credit, actor.version)
+            groups.append(self.hub.make_group(actor.actor_id, actor.seq, credit, actor.version))
             tokens = sum(lengths[i * size : (i + 1) * size]) + prompt_tokens
             self.group_tokens[(actor.actor_id, actor.seq)] = tokens
             actor.seq += 1
-            self.hub.on_group(group)
+        self.to_hub(self.hub_groups, groups)
         self.track.actor_started(-1)
         self.track.generated(len(lengths))
         actor.busy = False
@@ -299,11 +348,15 @@ class Simulation:
         self.wake(actor)
         self.hub_tick()
 
+    def hub_groups(self, groups: list[Any]) -> None:
+        for group in groups:
+            self.hub.on_group(group)
+
     # --- learner --------------------------------------------------------------------------------
 
     def learner_request(self, policy_version: int) -> None:
         """A SampleRequest for the step that trains at `policy_version`."""
-        self.hub.park(policy_version, self.cfg.groups_per_step)
+        self.to_hub(self.hub.park, policy_version, self.cfg.groups_per_step)
 
     def learner_receive(self, groups: list[Any]) -> None:
         """The hub sent a batch: train on it now, or keep it in the inbox while a step runs."""
@@ -320,7 +373,7 @@ class Simulation:
             self.learner_request(self.policy_version + 1)  # the hub prepares the next batch
         tokens = sum(self.group_tokens.pop((g.actor_id, g.seq)) for g in groups)
         staleness = [self.policy_version - g.min_policy_version for g in groups]
-        seconds = self.cfg.learner.seconds(tokens)
+        seconds = self.cfg.learner.seconds(tokens) * self.step_spread.draw()
         self.track.step(
             self.steps_done + 1, self.cfg.warmup_steps, wait_s, seconds, tokens, staleness
         )
@@ -330,7 +383,7 @@ class Simulation:
         """v += 1, report it, publish (non-blocking), take the next batch (or ask for it)."""
         self.policy_version += 1
         self.steps_done += 1
-        self.hub.adopt_version(self.policy_version)
+        self.to_hub(self.hub.adopt_version, self.policy_version)  # Version
         if self.policy_version % self.cfg.publish_every == 0:
             self.publish(self.policy_version)
         self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)

@@ -15,6 +15,11 @@ measured runs and `cluster.py` can derive them from hardware figures.
   a publication the learner waits for).
 - Weight publication: ``total_bytes / bandwidth + num_buckets * bucket_latency_s``; actors keep
   generating with old weights meanwhile (non-blocking).
+- Spread: a generation batch or a learner step may also carry `spread`, equally spaced quantiles
+  of its measured times (machine noise, the two sides slowing each other; any unit: only their
+  shape counts). Each batch's modelled time is multiplied by a factor drawn from them and scaled
+  to mean 1 (`Spread`), so the mean stays the modelled one while a pipeline with little slack
+  waits as the real one does.
 """
 
 from __future__ import annotations
@@ -63,6 +68,44 @@ class LengthModel:
         return min(self.median_tokens * math.exp(self.sigma**2 / 2), float(self.max_tokens))
 
 
+def check_spread(spread: Sequence[float], name: str) -> None:
+    """ValueError unless `spread` is empty or >= 2 ascending, non-negative quantiles, mean > 0."""
+    if not spread:
+        return
+    q = np.asarray(spread, dtype=np.float64)
+    if q.size < 2 or q[0] < 0 or np.any(np.diff(q) < 0) or not np.all(np.isfinite(q)):
+        raise ValueError(f"{name}: need >= 2 ascending, finite quantiles >= 0, got {list(spread)[:5]}...")  # fmt: skip
+    if quantile_mean(q) <= 0:
+        raise ValueError(f"{name}: all quantiles are 0")
+
+
+def quantile_mean(quantiles: Sequence[float]) -> float:
+    """Mean of the distribution whose inverse CDF is linear between equally spaced quantiles."""
+    q = np.asarray(quantiles, dtype=np.float64)
+    return float(np.mean((q[:-1] + q[1:]) / 2))
+
+
+class Spread:
+    """Factors with mean 1 drawn from `spread` quantiles (inverse CDF, linear in between)."""
+
+    def __init__(self, spread: Sequence[float], rng: np.random.Generator, chunk: int = 1 << 14) -> None:  # fmt: skip
+        self.q = np.asarray(spread, dtype=np.float64)
+        self.q = self.q / quantile_mean(self.q) if self.q.size else self.q
+        self.rng, self.chunk = rng, chunk
+        self.pool: list[float] = []
+
+    def draw(self) -> float:
+        """One factor (1.0 when there is no spread; then the rng is never used)."""
+        if not self.q.size:
+            return 1.0
+        if not self.pool:
+            u = self.rng.random(self.chunk) * (self.q.size - 1)
+            lo = np.floor(u).astype(np.int64)
+            hi = np.minimum(lo + 1, self.q.size - 1)
+            self.pool = (self.q[lo] + (u - lo) * (self.q[hi] - self.q[lo])).tolist()
+        return self.pool.pop()
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationTime:
     """Seconds for one actor to generate one batch of sequences."""
@@ -75,10 +118,13 @@ class GenerationTime:
     """Marginal cost of one generated token in a decode step (KV reads, per-token compute)."""
     prefill_token_s: float = 0.0
     """Cost per prompt token (prefill)."""
+    spread: tuple[float, ...] = ()
+    """Quantiles of measured batch times; empty = every batch takes the modelled time."""
 
     def __post_init__(self) -> None:
         if min(self.fixed_s, self.step_s, self.token_s, self.prefill_token_s) < 0:
             raise ValueError(f"generation: every coefficient must be >= 0, got {self}")
+        check_spread(self.spread, "generation.spread")
 
     def seconds(self, lengths: Sequence[int], prompt_tokens: int) -> float:
         """Time of a batch with these completion lengths (one prompt per sequence)."""
@@ -104,12 +150,15 @@ class LearnerTime:
     """Exposed gradient reduction time per step (not hidden behind backward)."""
     snapshot_s: float = 0.0
     """Copying weights into staging buffers before a publication; the learner waits for it."""
+    spread: tuple[float, ...] = ()
+    """Quantiles of measured step times; empty = every step takes the modelled time."""
 
     def __post_init__(self) -> None:
         if self.world < 1:
             raise ValueError(f"learner.world: must be >= 1, got {self.world}")
         if min(self.overhead_s, self.token_s, self.allreduce_s, self.snapshot_s) < 0:
             raise ValueError(f"learner: every time must be >= 0, got {self}")
+        check_spread(self.spread, "learner.spread")
 
     def seconds(self, tokens: int) -> float:
         """Step time for a batch holding `tokens` tokens in all."""

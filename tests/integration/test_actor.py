@@ -340,6 +340,9 @@ def test_sigterm_exits_zero_and_returns_unused_credits(system: System) -> None:
     assert stats["credits_returned"] == status["stats"]["credits_returned"]
     assert status["policy_version"] == system.version
     assert status["weights_digest"] == digest_named_tensors(system.weights[system.version].items())
+    rounds = status["round_generate_s"]  # one generate time per round, for the simulator
+    assert len(rounds) == status["stats"]["rounds"] >= 1
+    assert sum(rounds) == pytest.approx(status["stats"]["generate_s"], abs=1e-5 * len(rounds))
 
 
 # --- the Actor class with a verifier that fails ---------------------------------------------

@@ -36,6 +36,9 @@ def test_sweep_writes_wellformed_results(tmp_path: Path) -> None:
         assert 0.0 <= point["actor_wait_fraction"] <= 1.0
         assert len(point["staleness_hist"]) == eta + 2 and point["staleness_hist"][-1] == 0
         assert 0.0 <= point["final_reward"] <= 1.0
+        for key in ("step_time_quantiles", "generate_time_quantiles"):  # the simulator's spread
+            q = point[key]
+            assert len(q) == 101 and q == sorted(q) and q[0] > 0, (key, q)
         assert point["reward_at_fixed_steps"]["steps"] >= 3
     for name in ("staleness_throughput.png", "staleness_reward.png"):
         assert (tmp_path / name).stat().st_size > 1000

@@ -33,7 +33,14 @@ from bench.sim.calibrate import calibrate, load_points, nnls  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.hub import FreeSlots  # noqa: E402
 from bench.sim.model import SimConfig, Simulation, SimulationStalled, simulate  # noqa: E402
-from bench.sim.timing import GenerationTime, LearnerTime, LengthModel, WeightSync  # noqa: E402
+from bench.sim.timing import (  # noqa: E402
+    GenerationTime,
+    LearnerTime,
+    LengthModel,
+    Spread,
+    WeightSync,
+    check_spread,
+)
 
 B, GROUP_SIZE = 4, 2
 S = B * GROUP_SIZE
@@ -255,15 +262,17 @@ def test_nnls_recovers_exact_coefficients() -> None:
     assert nnls(a, a @ x) == pytest.approx(x, abs=1e-12)
 
 
-def synthetic_measurements(path: Path) -> None:
-    """Points as bench/staleness.py would measure them, made by a known ground truth."""
-    lengths = LengthModel(median_tokens=24, sigma=0.6, max_tokens=128, prompt_tokens=16)
+def synthetic_measurements(path: Path, message_latency_s: float = 0.0, sigma: float = 0.6) -> None:
+    """Points as bench/staleness.py would measure them, made by a known ground truth. With
+    `sigma` = 0 every batch and step takes the same time, and the points say so (quantiles)."""
+    lengths = LengthModel(median_tokens=24, sigma=sigma, max_tokens=128, prompt_tokens=16)
     measured_lengths = lengths.sample(np.random.default_rng(1), 4000).tolist()
     points = []
     for eta in (0, 1, 2, 4):
         r = simulate(SimConfig(
-            num_actors=2, concurrency=4, group_size=4, groups_per_step=4, max_staleness=eta,
-            num_steps=60, warmup_steps=10, seed=eta + 10, lengths=lengths,
+            num_actors=2, concurrency=4, group_size=4, groups_per_step=4,
+            max_staleness=eta, num_steps=60, warmup_steps=10, seed=eta + 10, lengths=lengths,
+            message_latency_s=message_latency_s,
             generation=GenerationTime(fixed_s=0.05, step_s=0.002, token_s=0.0004),
             learner=LearnerTime(overhead_s=0.1, token_s=0.0008),
             sync=WeightSync(num_buckets=1, bucket_latency_s=0.01),
@@ -275,7 +284,10 @@ def synthetic_measurements(path: Path) -> None:
             "generate_time_s": r.mean_generate_s, "generate_batch_seqs": r.mean_batch_seqs,
             "response_lengths": measured_lengths, "prompt_tokens": 16, "sync_s": 0.01, "loss": 0.0,
         })  # fmt: skip
-    config = {"run": {"num_actors": 2}, "actor": {"concurrency": 4, "group_size": 4},
+        if sigma == 0:
+            points[-1]["step_time_quantiles"] = [r.mean_step_s] * 2
+            points[-1]["generate_time_quantiles"] = [r.mean_generate_s] * 2
+    config = {"run": {"num_actors": 2}, "actor": {"concurrency": 4, "credit_window": 4, "group_size": 4},
               "learner": {"groups_per_step": 4}}  # fmt: skip
     path.write_text(json.dumps({"config": config, "points": points}))
 
@@ -285,10 +297,105 @@ def test_calibration_reproduces_synthetic_points(tmp_path: Path) -> None:
     synthetic_measurements(measured)
     cal = calibrate(load_points(measured)).to_dict()
     assert cal["sync_s"] == pytest.approx(0.01)
+    assert cal["message_latency_s"] == 0.0  # no time quantiles: not fitted
+    assert cal["latency_fit"]["status"].startswith("no η = 0 point with time quantiles")
     for point in cal["points"]:
         assert abs(point["rel_err_samples_per_s"]) < 0.05
         assert abs(point["abs_err_learner_wait_fraction"]) < 0.05
         assert abs(point["abs_err_actor_wait_fraction"]) < 0.05
+
+
+@pytest.mark.parametrize("d", [0.0, 0.5])
+def test_eta0_message_latency_adds_four_hops_per_step(d: float) -> None:
+    # a cycle: the step ends, the sync lands (d), WeightsLoaded reaches the hub (L), the
+    # credits reach the actor (L), it generates (g), its groups reach the hub (L), the batch
+    # reaches the learner (L), the step runs (s): period g + s + d + 4L
+    g, s, lat = 1.5, 0.5, 0.25
+    r = simulate(one_actor(0, g, s, d, message_latency_s=lat))
+    period = g + s + d + 4 * lat
+    assert r.samples_per_s == S / period
+    assert r.learner_idle_fraction == (g + d + 4 * lat) / period
+    assert r.actor_idle_fraction == (s + d + 4 * lat) / period
+    assert r.staleness_histogram == [MEASURED * B]
+
+
+def test_a_credit_window_hides_the_credit_round_trip() -> None:
+    # generation-bound at η = 4: holding only one batch's credits, the actor waits a round
+    # trip (2L) for the next ones after each push; with a window of two batches it already
+    # holds them and generates back to back, as with no latency at all
+    g, s, lat = 1.5, 0.5, 0.25
+    one = simulate(one_actor(4, g, s, message_latency_s=lat))
+    assert one.samples_per_s == S / (g + 2 * lat)
+    assert one.actor_idle_fraction == 2 * lat / (g + 2 * lat)
+    two = simulate(one_actor(4, g, s, message_latency_s=lat, credit_window=2 * B))
+    assert two.samples_per_s == S / g
+    assert two.actor_idle_fraction == 0.0
+    assert two.learner_idle_fraction == (g - s) / g
+    with pytest.raises(ValueError, match="credit_window: must be 0 or >= concurrency"):
+        one_actor(4, g, s, credit_window=B - 1)
+
+
+def test_calibration_recovers_the_message_latency(tmp_path: Path) -> None:
+    # made with 4 ms per message and constant times; fitted from the η = 0 point alone, then the
+    # η >= 1 points (out of sample for the latency) are reproduced with it
+    measured = tmp_path / "staleness.json"
+    synthetic_measurements(measured, message_latency_s=0.004, sigma=0.0)
+    cal = calibrate(load_points(measured)).to_dict()
+    assert cal["latency_fit"]["hops_per_step"] == [pytest.approx(4.0)]
+    assert cal["message_latency_s"] == pytest.approx(0.004, rel=0.05)
+    for point in cal["points"]:
+        assert abs(point["own_times"]["rel_err_samples_per_s"]) < 0.05, point
+
+
+def test_a_constant_spread_changes_nothing() -> None:
+    # every quantile equal: each factor is exactly 1, the hand-computed timeline stays exact
+    g, s = 1.5, 0.5
+    flat = one_actor(
+        1, g, s, generation=GenerationTime(fixed_s=g, spread=(2.0, 2.0, 2.0)),
+        learner=LearnerTime(overhead_s=s, spread=(0.3,) * 5),
+    )  # fmt: skip
+    assert simulate(flat) == simulate(one_actor(1, g, s))
+
+
+def test_spread_draws_have_mean_one_within_the_quantiles() -> None:
+    # quantiles 1, 2, 3 (seconds): uniform on [1, 3], mean 2, so factors lie in [0.5, 1.5]
+    spread = Spread((1.0, 2.0, 3.0), np.random.default_rng(0))
+    draws = np.array([spread.draw() for _ in range(40_000)])
+    assert 0.5 <= draws.min() and draws.max() <= 1.5
+    assert draws.mean() == pytest.approx(1.0, abs=0.01)
+    assert np.mean(draws < 1.0) == pytest.approx(0.5, abs=0.01)
+
+
+def test_spread_makes_a_balanced_pipeline_wait() -> None:
+    # g = s: with constant times the learner never waits at η = 1; with times that vary
+    # (same means) each step waits for the slower of the two sides, so throughput falls
+    g = s = 1.0
+    steady = simulate(one_actor(1, g, s, num_steps=400, warmup_steps=20))
+    assert steady.learner_idle_fraction == 0.0 and steady.samples_per_s == S / g
+    wide = (0.5, 1.0, 1.5)
+    noisy = simulate(
+        one_actor(
+            1, g, s, num_steps=400, warmup_steps=20,
+            generation=GenerationTime(fixed_s=g, spread=wide),
+            learner=LearnerTime(overhead_s=s, spread=wide),
+        )
+    )  # fmt: skip
+    assert noisy.mean_step_s == pytest.approx(s, rel=0.05)
+    assert noisy.mean_generate_s == pytest.approx(g, rel=0.05)
+    assert noisy.learner_idle_fraction > 0.05
+    assert noisy.samples_per_s < 0.95 * steady.samples_per_s
+
+
+@pytest.mark.parametrize(
+    ("spread", "why"),
+    [((1.0,), "need >= 2"), ((2.0, 1.0), "ascending"), ((-1.0, 1.0), ">= 0"),
+     ((0.0, 0.0), "all quantiles are 0"), ((1.0, float("inf")), "finite")],
+)  # fmt: skip
+def test_bad_spread_is_refused_by_name(spread: tuple[float, ...], why: str) -> None:
+    with pytest.raises(ValueError, match="learner.spread: .*" + why):
+        LearnerTime(overhead_s=1.0, spread=spread)
+    with pytest.raises(ValueError, match=why):
+        check_spread(spread, "x")
 
 
 def test_load_points_names_the_bad_field(tmp_path: Path) -> None:
@@ -298,6 +405,12 @@ def test_load_points_names_the_bad_field(tmp_path: Path) -> None:
         load_points(bad)
     with pytest.raises(ValueError, match="not found"):
         load_points(tmp_path / "missing.json")
+    synthetic_measurements(tmp_path / "good.json")
+    good = json.loads((tmp_path / "good.json").read_text())
+    good["points"][1]["step_time_quantiles"] = [0.03, 0.02]
+    bad.write_text(json.dumps(good))
+    with pytest.raises(ValueError, match=r"points\[1\]\.step_time_quantiles: .*ascending"):
+        load_points(bad)
 
 
 def test_cli_calibrate_and_predict(tmp_path: Path) -> None:
