@@ -65,7 +65,9 @@ Output: the fitted parameters, the residuals of both fits, and per point the sim
 next to the measured one: relative error of samples/s, absolute (and, where the measured value
 is at least 0.05, relative) error of the learner and actor wait fractions. Each point is also
 simulated with its own measured times (`own_times`: generation, step, sync of that run), which
-separates the event model's error from the time models' fit.
+separates the event model's error from the time models' fit; and, to show what each refinement
+adds, with its own mean times only (no spread, no latency) and with their spread but no latency
+(`own_times_rel_err_samples_per_s_with`).
 """
 
 from __future__ import annotations
@@ -384,10 +386,25 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
     )  # fmt: skip
     latency, how = fit_latency(points, cal, num_steps, warmup_steps, spread)
     cal = dataclasses.replace(cal, message_latency_s=latency, latency_fit=how)
+    bare = dataclasses.replace(cal, message_latency_s=0.0)
     for p in points:
         sim = simulate(sim_config_for(p, cal, num_steps, warmup_steps, spread=spread))
         own = simulate(sim_config_for(p, cal, num_steps, warmup_steps, True, spread))
-        cal.points.append(_compare(p, sim.to_dict()) | {"own_times": _compare(p, own.to_dict())})
+        # what each refinement adds: own times with mean times only, then with their spread
+        steps = (num_steps, warmup_steps, True)
+        ablation = {
+            "mean_times": simulate(sim_config_for(p, bare, *steps, spread=False)),
+            "spread_no_latency": simulate(sim_config_for(p, bare, *steps, spread=spread)),
+        }
+        cal.points.append(
+            _compare(p, sim.to_dict())
+            | {"own_times": _compare(p, own.to_dict())}
+            | {
+                "own_times_rel_err_samples_per_s_with": {
+                    k: r.samples_per_s / p.samples_per_s - 1 for k, r in ablation.items()
+                }
+            }  # fmt: skip
+        )
     return cal
 
 
