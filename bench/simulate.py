@@ -13,7 +13,7 @@ bench/results/simulate_world512.png (named after --world). Both record the comma
 The model is asyncrl's behaviour: actors wait for weights >= c - η, the learner pipelines its
 sample request. `calibrate` also fits a message latency (from the η = 0 points) and lets batch
 and step times vary as measured; `predict` takes both as 0 (one hop of a millisecond against
-generation and step times of seconds) and one batch of credits per actor; `--what-if-no-weight-wait` also runs actors that start at once (the earlier
+generation and step times of seconds); `--what-if-no-weight-wait` also runs actors that start at once (the earlier
 actor), for comparison.
 """
 
@@ -113,6 +113,7 @@ def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed:
     return SimConfig(
         num_actors=a.num_actors,
         concurrency=a.concurrency,
+        credit_window=a.credit_window or 2 * a.concurrency,
         group_size=a.group_size,
         groups_per_step=a.groups_per_step,
         max_staleness=eta,

@@ -71,6 +71,8 @@ class ClusterAssumptions:
     """Rollout actors A, one H200 each running vLLM with the whole model (TP = 1)."""
     concurrency: int = 8
     """Groups one actor generates together (8 x 16 = 128 sequences per vLLM batch)."""
+    credit_window: int = 0
+    """Credits an actor asks the hub for; 0 = 2 x concurrency, asyncrl's actor default."""
     group_size: int = 16
     """Samples per prompt."""
     groups_per_step: int = 1024

@@ -256,6 +256,15 @@ def test_cluster_assumptions_use_the_real_bucket_plan() -> None:
     assert derived["sync"]["seconds"] == pytest.approx(16_060_522_496 / 50e9 + 16 * 5e-3)
 
 
+def test_cluster_actors_ask_for_the_real_actors_credit_window() -> None:
+    from bench.simulate import sim_config
+
+    default = sim_config(ClusterAssumptions(), eta=4, measure=2, warmup=1, seed=0)
+    assert (default.concurrency, default.credit_window) == (8, 16)  # actor.num_window_credits
+    narrow = sim_config(ClusterAssumptions(credit_window=8), eta=4, measure=2, warmup=1, seed=0)
+    assert narrow.credit_window == 8
+
+
 def test_nnls_recovers_exact_coefficients() -> None:
     a = np.array([[1.0, 2.0, 30.0], [1.0, 5.0, 10.0], [1.0, 9.0, 70.0], [1.0, 1.0, 5.0]])
     x = np.array([0.5, 0.0, 0.02])
