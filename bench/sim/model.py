@@ -39,18 +39,17 @@ event that changes the hub's state, the hub grants credits and serves the parked
 `replay/server.py`'s loop does. Every message (credits, groups, WeightsLoaded, SampleRequest,
 Version, a batch) acts `message_latency_s` after it is sent (a delivery event, after the
 learner's step ends and before actors start at the same instant); with 0 it acts at once, in
-the sender's event. Versions and staleness follow the
-real system: an actor stamps its whole batch with the version loaded at the batch's start
-(min = max policy version); the learner consumes at version v and the hub records staleness
-v - min_policy_version.
+the sender's event. Versions and staleness follow the real system: an actor stamps its whole
+batch with the version loaded at the batch's start (min = max policy version); the learner
+consumes at version v and the hub records staleness v - min_policy_version.
 
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
 `warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
 
 Not modelled: the hub's own processing time (apart from the message latency), actor failures
-and heartbeats,
-heterogeneous actors, an engine's batch limit (a batch beyond vLLM's max_num_seqs would run in
-waves), reuse (`max_times_sampled` > 1), and the reward cost apart from a fixed per-batch part.
+and heartbeats, heterogeneous actors, an engine's batch limit (a batch beyond vLLM's
+max_num_seqs would run in waves), reuse (`max_times_sampled` > 1), and the reward cost apart
+from a fixed per-batch part.
 """
 
 from __future__ import annotations
