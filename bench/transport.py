@@ -36,7 +36,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import zmq
 
@@ -53,6 +51,10 @@ from asyncrl.protocol import Batch, Credits, Group, SampleRequest, Trajectory, e
 from asyncrl.transport import HubConnection, keep_freed_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import environment, spread  # noqa: E402
+
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64
 VARIANTS = ("hub", "raw", "raw_relay")
@@ -249,37 +251,6 @@ def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, endpoint_file.read_text().strip()
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def environment() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu,
-            "cpus": os.cpu_count(),
-            "loadavg_at_start": os.getloadavg(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(),
-            "msgpack": ".".join(map(str, msgpack.version)),
-            "numpy": np.__version__,
-        },
-        "commit": commit or None,
-    }
-
-
 def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     group = make_group(group_bytes)
     actual = group.nbytes
@@ -326,13 +297,13 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
-        "hub_groups_per_s_stats": summary(gps["hub"]), "hub_gbps_stats": summary(gbps["hub"]),
-        "raw_gbps_stats": summary(gbps["raw"]), "raw_relay_gbps_stats": summary(gbps["raw_relay"]),
-        "ratio_stats": summary(ratios), "ratio_vs_relay_stats": summary(relay_ratios),
-        "loadavg_1min": summary(loads), "hub_overrides": overrides,
-        "cpu_us_per_group": {name: summary(v) for name, v in cpus.items()},
+        "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
+        "raw_gbps_stats": spread(gbps["raw"]), "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
+        "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
+        "loadavg_1min": spread(loads), "hub_overrides": overrides,
+        "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
         "hub_cpu_us_per_group_by_process": {
-            k: summary([p[k] for p in hub["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
+            k: spread([p[k] for p in hub["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
         },
     }  # fmt: skip
 
@@ -356,7 +327,9 @@ def main() -> None:
     gc.freeze()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    env = environment()  # before the run: its load average is the one at the start
+    env = environment(
+        ("zmq", "msgpack", "numpy")
+    )  # before the run: its load average is the one at the start
     results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]
     out = {
         "benchmark": "transport",

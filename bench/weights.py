@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +47,10 @@ from asyncrl.weights.publisher import WeightPublisher
 from asyncrl.weights.receiver import WeightReceiver
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import environment, spread  # noqa: E402
+
 ACTORS = ("actor-1", "actor-2")
 SHAPE = {"num_layers": 17, "hidden": 512, "kv_dim": 128, "intermediate": 1536, "vocab": 16384}
 
@@ -132,10 +133,6 @@ def run_variant(
 
 
 # -- sender ------------------------------------------------------------------------------------
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def calibrate_step(target_s: float) -> tuple[Any, int]:
@@ -305,40 +302,20 @@ def report(args: Any, cfg: Any, plan: BucketPlan, times: dict[str, list[float]])
             "warmup": args.warmup,
             "step_target_s": args.step_s,
         },  # fmt: skip
-        **environment(),
+        **environment(("torch", "msgpack")),
+        "torch_threads": torch.get_num_threads(),
         **summary,
         "targets": {
             "speedup": ">= 5",
             "bucketed_vs_ceiling": ">= 0.7",
             "stall_fraction": "<= 0.10",
         },
-        "metrics": {f"{k}_s": stats(v) for k, v in times.items()},
+        "metrics": {f"{k}_s": spread(v) for k, v in times.items()},
         "note": "sender and both receivers share this machine's CPUs with other work (loopback TCP)",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
-
-
-def environment() -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-    )
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "processor": platform.processor(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "msgpack": msgpack.version,
-        },
-        "commit": commit.stdout.strip() or None,
-        "torch_threads": torch.get_num_threads(),
-        "load_average_at_end": os.getloadavg(),
-    }
 
 
 if __name__ == "__main__":
