@@ -187,7 +187,7 @@ def plot_reward(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         for i in range(len(rows))
     ]
     ax.plot(times, smooth, lw=2, label=f"mean of last {k} steps")
-    ax.set_xlabel("wall-clock time since learner start (s)")
+    ax.set_xlabel("wall-clock time since training started (s)")
     ax.set_ylabel("mean reward (0-1)")
     ax.set_ylim(0, 1)
     ax.set_title(title)
