@@ -264,7 +264,8 @@ class Learner:
         raise TimeoutError("hub did not answer Version with Members within 10 s")
 
     def wait_for_actors(self, num_actors: int, timeout_s: float) -> None:
-        """Hold the first step until `num_actors` actors are connected (or `timeout_s` passes).
+        """Hold the first step until `num_actors` actors are connected (or `timeout_s` passes;
+        0 = do not wait).
 
         Members only come back in answer to Version, so the current version is re-sent every
         half second. Each change in the count is printed. The clock of metrics.jsonl's time_s
@@ -272,7 +273,7 @@ class Learner:
         """
         deadline = time.monotonic() + timeout_s
         shown = -1
-        while len(self.members) < num_actors and not self.stop_event.is_set():
+        while timeout_s and len(self.members) < num_actors and not self.stop_event.is_set():
             if len(self.members) != shown:
                 shown = len(self.members)
                 joined = f" ({', '.join(self.members)})" if self.members else ""

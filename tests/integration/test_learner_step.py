@@ -10,6 +10,7 @@ gradient into a full-size update.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,3 +132,22 @@ def test_minibatches_beyond_groups_per_step_are_refused(tiny_model_dir: Path) ->
         load_config(None, ["learner.groups_per_step=2", "learner.minibatches=3"])
     with pytest.raises(ValueError, match="learner.minibatches"):
         load_config(None, ["learner.minibatches=0"])
+
+
+def test_wait_actors_s_zero_starts_at_once(
+    make_learner: object, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the connection was never started: one Version sent while waiting would raise
+    base = _config(tiny_model_dir, 1, "ppo")
+    cfg = dataclasses.replace(
+        base,
+        run=dataclasses.replace(base.run, num_actors=3),
+        learner=dataclasses.replace(base.learner, wait_actors_s=0.0),
+    )
+    learner = make_learner(cfg)  # type: ignore[operator]
+    before = learner.start_time
+    learner.wait_for_actors(cfg.run.num_actors, cfg.learner.wait_actors_s)
+    assert learner.start_time >= before and learner.members == []
+    assert capsys.readouterr().out == ""  # nothing said: not waiting is what was asked
+    with pytest.raises(ValueError, match="learner.wait_actors_s: must be >= 0"):
+        load_config(None, ["learner.wait_actors_s=-1"])
