@@ -13,8 +13,8 @@ bench/results/simulate_world512.png (named after --world). Both record the comma
 The model is asyncrl's behaviour: actors wait for weights >= c - η, the learner pipelines its
 sample request. `calibrate` also fits a message latency (from the η = 0 points) and lets batch
 and step times vary as measured; `predict` takes both as 0 (one hop of a millisecond against
-generation and step times of seconds); `--what-if-no-weight-wait` also runs actors that start at once (the earlier
-actor), for comparison.
+generation and step times of seconds); `--what-if-no-weight-wait` also runs actors that start
+at once (the earlier actor), for comparison.
 """
 
 from __future__ import annotations

@@ -41,12 +41,12 @@ Free parameters, fitted by non-negative least squares on relative errors:
 - message latency (`SimConfig.message_latency_s`), from the η = 0 points alone: there every
   hand-off is on the critical path and generation and training never overlap, so a step's
   mean period is the sum of the mean times plus latency × the hops of one cycle, whatever the
-  times' spread. Each η = 0 point that carries its time quantiles is simulated with its own times at latency 0 and at a small
-  latency δ (the same draws, so the difference is hops × δ per step exactly); the latency is
-  the mean over those points of (measured period - simulated period) / hops, at least 0 (and
-  0 without such points: with mean times only, several actors generating side by side would
-  wait for the slowest of them, and that wait would pass for latency). The points at η ≥ 1
-  then test it out of sample.
+  times' spread. Each η = 0 point that carries its time quantiles is simulated with its own
+  times at latency 0 and at a small latency δ (the same draws, so the difference is hops × δ
+  per step exactly); the latency is the mean over those points of (measured period -
+  simulated period) / hops, at least 0 (and 0 without such points: with mean times only,
+  several actors generating side by side would wait for the slowest of them, and that wait
+  would pass for latency). The points at η ≥ 1 then test it out of sample.
 
 Two times are not fitted but read off each point's own clock and averaged:
 - the learner's time per step outside its optimizer step and its wait for data (weight

@@ -127,7 +127,8 @@ class SimConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.credit_window and self.credit_window < self.concurrency:
             raise ValueError(
-                f"credit_window: must be 0 or >= concurrency = {self.concurrency}, got {self.credit_window}"
+                f"credit_window: must be 0 or >= concurrency = {self.concurrency}, "
+                f"got {self.credit_window}"
             )
         if self.max_staleness < 0 or self.publish_every < 1:
             raise ValueError("max_staleness must be >= 0 and publish_every >= 1")
