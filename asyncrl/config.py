@@ -295,7 +295,12 @@ class LearnerConfig:
     publish_every: int = 1
     """Publish weights to actors every N steps."""
     world: int = 1
-    """Learner ranks (torch.distributed world size)."""
+    """Learner ranks (torch.distributed world size): FSDP2 over gloo on CPU, nccl on GPU.
+    `asyncrl learner` starts this many local ranks itself, or joins the ranks a launcher
+    (torchrun, srun) started through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT."""
+    dist_timeout_s: float = 3600.0
+    """Timeout of the learner ranks' collectives (s); ranks > 0 wait in one while rank 0
+    waits for data, so it must exceed the longest wait for a batch."""
     wait_actors_s: float = 600.0
     """Before its first step the learner waits up to this long for run.num_actors actors to
     connect, so that every actor holds the starting weights and a short run does not end before
@@ -338,6 +343,15 @@ class LearnerConfig:
         )
         _check(self.publish_every >= 1, "learner.publish_every", "must be >= 1", self.publish_every)
         _check(self.world >= 1, "learner.world", "must be >= 1", self.world)
+        _check(
+            self.dist_timeout_s > 0, "learner.dist_timeout_s", "must be > 0", self.dist_timeout_s
+        )
+        _check(
+            self.groups_per_step >= self.world,
+            "learner.groups_per_step",
+            f"must be >= learner.world ({self.world}): every rank trains on whole groups",
+            self.groups_per_step,
+        )
         _check(self.wait_actors_s >= 0, "learner.wait_actors_s", "must be >= 0", self.wait_actors_s)
 
 
