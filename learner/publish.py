@@ -8,8 +8,8 @@
 ```
 
 The whole model is never gathered on one rank: at any time rank 0 holds the two staging buffers
-of its dtype plus the gathered tensors of the bucket being packed, so a publication costs at
-most three buckets of extra memory. The gathers are collectives, so ranks > 0 run the same
+of its dtype plus the one parameter being gathered (copied into its place in the bucket and
+released at once), so a publication costs two buckets plus one parameter of extra memory. The gathers are collectives, so ranks > 0 run the same
 loop (`gather_all`) whenever rank 0 publishes; rank 0 drains the loop to the end even when the
 broadcast to the actors fails, so the other ranks never wait on a gather that never comes.
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
-from asyncrl.weights.bucket_plan import BucketPlan, allocate_staging, pack_bucket
+from asyncrl.weights.bucket_plan import Bucket, BucketPlan, Entry, allocate_staging, pack_bucket
 from asyncrl.weights.digest import update_digest
 
 
@@ -47,16 +48,21 @@ def gathered_buckets(
     used = {dtype: 0 for dtype in (staging or {})}
     with torch.no_grad():
         for bucket in plan.buckets:
-            full = {e.name: _full(params[e.name]) for e in bucket.entries}
-            if staging is None:
+            slot = None
+            if staging is not None:
+                slot = staging[bucket.dtype][used[bucket.dtype] % 2][: bucket.numel]
+                used[bucket.dtype] += 1
+            for entry in bucket.entries:  # one parameter gathered at a time, copied, released
+                full = _full(params[entry.name])
+                if slot is not None:
+                    pack_bucket(_single(bucket, entry), {entry.name: full}, slot)
                 del full
-                yield None
-                continue
-            slot = staging[bucket.dtype][used[bucket.dtype] % 2][: bucket.numel]
-            used[bucket.dtype] += 1
-            pack_bucket(bucket, full, slot)
-            del full
             yield slot
+
+
+def _single(bucket: Bucket, entry: Entry) -> Bucket:
+    """A view of `bucket` holding only `entry` (at its offset in the bucket's buffer)."""
+    return replace(bucket, entries=(entry,))
 
 
 def gather_all(plan: BucketPlan, model: torch.nn.Module) -> None:

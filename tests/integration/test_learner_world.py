@@ -11,6 +11,7 @@ uninterrupted run (model and optimizer state restored through torch.distributed.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,3 +103,18 @@ def test_export_loads_in_transformers(runs: dict[str, Path]) -> None:
     weights = exported(runs["w2"])
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), weights[name]), name
+
+
+@pytest.mark.slow
+def test_run_with_two_learner_ranks_learns(tmp_path: Path) -> None:
+    """`asyncrl run configs/tiny_cpu.toml --set learner.world=2`: the run learns (+0.4 reward,
+    first tenth vs last tenth), versions stay single-valued and the actor ends on the learner's
+    final weights (digest of the full weights, gathered from the shards)."""
+    from test_run_e2e import _check_run, _run
+
+    steps = 500
+    run_dir, proc = _run(tmp_path, "learner.world=2", f"learner.max_steps={steps}")
+    _check_run(run_dir, proc, steps=steps, eta=4)
+    assert "with 2 rank(s)" in (run_dir / "learner.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reward_gain"] >= 0.4, summary
