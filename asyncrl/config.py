@@ -298,6 +298,9 @@ class LearnerConfig:
     """Learner ranks (torch.distributed world size): FSDP2 over gloo on CPU, nccl on GPU.
     `asyncrl learner` starts this many local ranks itself, or joins the ranks a launcher
     (torchrun, srun) started through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner trains: `auto` = this rank's GPU (LOCAL_RANK) when CUDA is present,
+    else the CPU."""
     dist_timeout_s: float = 3600.0
     """Timeout of the learner ranks' collectives (s); ranks > 0 wait in one while rank 0
     waits for data, so it must exceed the longest wait for a batch."""

@@ -87,6 +87,7 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(cfg.model.dtype))
         self.model.train()
         plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
+        self.model.to(train_device(cfg.learner.device, ranks.local_rank))
         if ranks.distributed:
             shard_model(self.model, ranks)
         self.pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
@@ -407,6 +408,15 @@ def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
     return torch.optim.AdamW(
         params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fusable else {})
     )
+
+
+def train_device(choice: str, local_rank: int) -> torch.device:
+    """Where the learner trains: `learner.device` ("auto": this rank's GPU when there is one)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device: 'cuda' asked for, but torch sees no CUDA device")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -136,24 +136,34 @@ def shard_groups(num_groups: int, rank: int, world: int) -> tuple[int, int]:
 # --- rank 0 leads, the others follow ---------------------------------------------------------
 
 
+def comm_device() -> torch.device:
+    """Where small control tensors must live for the default group (nccl: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def send_command(op: Op, payload: bytes = b"", arg: int = 0) -> None:
     """Rank 0: tell every rank what comes next (and hand it `payload`)."""
-    header = torch.tensor([int(op), len(payload), arg], dtype=torch.int64)
+    device = comm_device()
+    header = torch.tensor([int(op), len(payload), arg], dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
     if payload:
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        dist.broadcast(data, src=0)
 
 
 def recv_command() -> tuple[Op, bytes, int]:
     """Ranks > 0: the next command from rank 0."""
-    header = torch.zeros(3, dtype=torch.int64)
+    device = comm_device()
+    header = torch.zeros(3, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
-    op, size, arg = (int(x) for x in header)
+    op, size, arg = (int(x) for x in header.cpu())
     payload = b""
     if size:
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src=0)
-        payload = buf.numpy().tobytes()
+        payload = buf.cpu().numpy().tobytes()
     return Op(op), payload, arg
 
 
@@ -184,13 +194,17 @@ def all_reduce_stats(stats: dict[str, float], weight: float, world: int) -> dict
     keys = sorted(stats)
     summed = [k for k in keys if not k.endswith("_max") and k not in ("loss", "grad_norm")]
     maxed = [k for k in keys if k.endswith("_max")]
+    device = comm_device()
     values = torch.tensor(
-        [stats[k] * weight for k in summed] + [stats.get("loss", 0.0) / world], dtype=torch.float64
+        [stats[k] * weight for k in summed] + [stats.get("loss", 0.0) / world],
+        dtype=torch.float64,
+        device=device,
     )
     dist.all_reduce(values)
-    top = torch.tensor([stats[k] for k in maxed], dtype=torch.float64)
+    top = torch.tensor([stats[k] for k in maxed], dtype=torch.float64, device=device)
     if maxed:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    values, top = values.cpu(), top.cpu()
     out = dict(zip(summed, values[:-1].tolist(), strict=True))
     out.update(zip(maxed, top.tolist(), strict=True))
     if "loss" in stats:

@@ -36,7 +36,7 @@ from asyncrl.protocol import Batch
 from learner.advantages import group_advantages
 from learner.batching import TrainBatch, collate, token_logprobs
 from learner.losses import NEEDS_PROXIMAL, policy_loss
-from learner.parallel import SINGLE, Ranks, all_reduce_stats, shard_groups
+from learner.parallel import SINGLE, Ranks, all_reduce_stats, comm_device, shard_groups
 
 
 class StepRunner:
@@ -111,7 +111,9 @@ class StepRunner:
         (FSDP2 averages gradients over the ranks; learner/losses.py)."""
         counts = torch.tensor([float(num_rows), float(mask.sum())], dtype=torch.float64)
         if self.ranks.distributed:
+            counts = counts.to(comm_device())
             dist.all_reduce(counts)
+            counts = counts.cpu()
         world = self.ranks.world
         return {
             "num_samples_total": float(counts[0]) / world,
@@ -123,9 +125,9 @@ class StepRunner:
         """How many zero-loss passes this rank adds so every rank runs as many as the busiest."""
         if not self.ranks.distributed:
             return 0
-        most = torch.tensor([num_passes], dtype=torch.int64)
+        most = torch.tensor([num_passes], dtype=torch.int64, device=comm_device())
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return int(most) - num_passes
+        return int(most.cpu()) - num_passes
 
     def clip_gradients(self) -> float:
         """Clip to learner.grad_clip by the global norm (over every shard); return the norm."""
@@ -166,18 +168,20 @@ class StepRunner:
     ) -> dict[str, float]:
         """Forward, loss and backward of one micro-batch (`scale` 0: a padding pass)."""
         logprobs, entropy = self.score(mb)
+        device = logprobs.device  # the model's: the batch was built on the CPU
+        mask = mb.mask.to(device)
         loss, stats = policy_loss(
             logprobs,
-            logprobs.detach() if proximal is None else proximal,
-            mb.behavior_logprobs,
-            advantages,
-            mb.mask,
+            logprobs.detach() if proximal is None else proximal.to(device),
+            mb.behavior_logprobs.to(device),
+            advantages.to(device),
+            mask,
             self.cfg.loss,
             **totals,
         )
         (loss * scale if scale != 1.0 else loss).backward()
-        produced = mb.mask.sum().clamp(min=1.0)
-        stats["entropy"] = float((entropy * mb.mask).sum() / produced)
+        produced = mask.sum().clamp(min=1.0)
+        stats["entropy"] = float((entropy * mask).sum() / produced)
         return stats
 
     def score(self, rows: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
