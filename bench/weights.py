@@ -202,7 +202,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--step-s", type=float, default=0.6, help="target length of a learner step")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "weights.json"))
+    parser.add_argument(
+        "--world", type=int, default=1, choices=(1, 2),
+        help="2: publication from a 2-rank FSDP2 learner vs 1 rank (bench/weights_world.py)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.world == 2:
+        from weights_world import main as world_main
+
+        rest = [a for a in sys.argv[1:] if a not in ("--world", "2")]
+        sys.exit(world_main(rest))
     cfg = load_config(args.config, args.set).weights
     torch.set_num_threads(1)  # the learner's compute is one core; the transfer runs beside it
 
