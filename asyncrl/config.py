@@ -74,11 +74,16 @@ class ModelConfig:
     """Tiny model: MLP width."""
     init_seed: int = 0
     """Tiny model: seed of the random initialisation."""
+    arch: Literal["llama", "qwen2", "mistral", "qwen3", "qwen3_moe"] = "llama"
+    """Tiny model: the model family to build (asyncrl/model_families.py)."""
+    num_experts: int = 4
+    """Tiny model, `qwen3_moe` only: experts per MoE layer (2 active per token)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and generation."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "num_experts"):  # fmt: skip
             _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
         _check(
             self.hidden_size % self.num_heads == 0,

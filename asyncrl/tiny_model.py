@@ -9,8 +9,9 @@ downloaded):
   tokens `<pad>`, `<bos>`, `<eos>`, `<unk>`; 16 tokens in all (a multiple of 8). It is made with
   `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
   `PreTrainedTokenizerFast`;
-- model: `LlamaForCausalLM` with untied embeddings, widths from `ModelConfig`, seeded random
-  initialisation (`model.init_seed`), saved as safetensors in `model.dtype`.
+- model: `LlamaForCausalLM` with untied embeddings (or another family, `model.arch`: see
+  asyncrl/model_families.py), widths from `ModelConfig`, seeded random initialisation
+  (`model.init_seed`), saved as safetensors in `model.dtype`.
 
 Builds are atomic: a process builds into a private temporary directory and renames it into
 place; a process that loses the race discards its copy and uses the winner's. An existing build
@@ -29,9 +30,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from asyncrl.config import ModelConfig, TaskConfig
+from asyncrl.model_families import family_config
 
 BUILD_FORMAT = 1
 """Bumped whenever the built files change for the same settings (invalidates cached builds)."""
@@ -75,11 +77,14 @@ def build_key(model: ModelConfig) -> str:
     settings = dataclasses.asdict(model)
     for unrelated in ("path", "cache_dir"):
         settings.pop(unrelated)
+    if model.arch == "llama":  # the embedded default keeps the key it had before families
+        settings.pop("arch")
+        settings.pop("num_experts")
     settings["build_format"] = BUILD_FORMAT
     settings["alphabet"] = "".join(ALPHABET)
     settings["max_positions"] = MAX_POSITIONS
     blob = json.dumps(settings, sort_keys=True).encode()
-    return "tiny-llama-" + hashlib.sha256(blob).hexdigest()[:16]
+    return f"tiny-{model.arch.replace('_', '-')}-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def vocab() -> dict[str, int]:
@@ -130,9 +135,11 @@ def build_llama_config(model: ModelConfig) -> LlamaConfig:
 
 def _build(model: ModelConfig, out: Path) -> None:
     build_tokenizer().save_pretrained(out)
-    config = build_llama_config(model)
+    ids = vocab()
+    special = {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}
+    config = family_config(model, len(ids), special, MAX_POSITIONS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model.init_seed)
-        llama = LlamaForCausalLM(config)
+        llama = AutoModelForCausalLM.from_config(config)
     llama.to(_DTYPES[model.dtype])
     llama.save_pretrained(out, safe_serialization=True)

@@ -46,6 +46,7 @@ from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.gloo_backend import buffer_device
+from asyncrl.weights.hf_layout import checkpoint_tensors, has_fused_experts
 from asyncrl.weights.publisher import WeightPublisher
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.metrics_log import MetricsLog
@@ -89,6 +90,11 @@ class Learner:
         plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
         self.model.to(train_device(cfg.learner.device, ranks.local_rank))
         if ranks.distributed:
+            if has_fused_experts(self.model.named_parameters()):
+                raise ValueError(
+                    "learner.world > 1: models with fused MoE expert parameters cannot be "
+                    "published from shards yet; train this model with learner.world = 1"
+                )
             shard_model(self.model, ranks)
         self.pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
         self.optimizer = make_adamw(self.model, cfg.learner.lr, cfg.learner.weight_decay)
@@ -231,7 +237,8 @@ class Learner:
         several ranks, gather and broadcast bucket by bucket now (learner/publish.py)."""
         assert self.publisher is not None
         if self.source is None:
-            self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
+            named = checkpoint_tensors(self.model.named_parameters())  # the actors' layout
+            self.publisher.publish(self.policy_version, named, self.members)
         else:
             send_command(Op.PUBLISH)
             buckets = self.source.buckets()
