@@ -145,3 +145,20 @@ def test_export_loads_in_vllm(runs: dict[str, Path]) -> None:
             logits = model(torch.tensor([tokens])).logits[0, len(prompt) - 1 : -1]
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[len(prompt) :])[:, None])
         assert torch.allclose(torch.from_numpy(sample.logprobs), ref[:, 0], atol=1e-3)
+
+
+@pytest.mark.slow
+def test_ranks_started_by_torchrun(
+    runs: dict[str, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The same two ranks started by torchrun (its RANK/WORLD_SIZE/MASTER_* variables) train
+    exactly like world 1."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER),
+        str(tiny_model_dir), str(tmp_path / "torchrun"), "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max_diff(exported(runs["w1"]), exported(tmp_path / "torchrun")) < TOLERANCE
