@@ -470,6 +470,11 @@ def main(argv: Sequence[str]) -> int:
         return spawn_local(world, [*argv, "--set", f"learner.world={world}"])
     if args.world and args.world != ranks.world:
         raise ValueError(f"--world {args.world}: the environment says WORLD_SIZE={ranks.world}")
+    if cfg.learner.groups_per_step < ranks.world:
+        raise ValueError(
+            f"learner.groups_per_step: {cfg.learner.groups_per_step} groups cannot be shared by "
+            f"WORLD_SIZE={ranks.world} ranks (every rank trains on whole groups)"
+        )
     init_world(ranks, cfg.learner.dist_timeout_s)
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
