@@ -384,6 +384,54 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Placement of the roles on a cluster by `asyncrl launch --ray` (tools/launch.py)."""
+
+    hub_cpus: float = 1.0
+    """CPUs the hub reserves."""
+    actor_cpus: float = 1.0
+    """CPUs each actor reserves."""
+    actor_gpus: float = 0.0
+    """GPUs each actor reserves (its engine)."""
+    actor_memory_gb: float = 0.0
+    """Memory each actor reserves, GB (0 = no reservation)."""
+    actor_resources: str = ""
+    """Custom resources each actor needs, `name=amount` comma-separated (e.g. `env_worker=1`)."""
+    actor_max_restarts: int = 3
+    """How often a failed actor is restarted (its process or its whole Ray worker)."""
+    learner_cpus: float = 1.0
+    """CPUs each learner rank reserves."""
+    learner_gpus: float = 0.0
+    """GPUs each learner rank reserves (1 with nccl)."""
+    learner_memory_gb: float = 0.0
+    """Memory each learner rank reserves, GB (0 = no reservation)."""
+    allow_insecure: bool = False
+    """Let the hub bind a non-loopback address without CURVE auth (replay.auth_dir)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hub_cpus", "actor_cpus", "actor_gpus", "actor_memory_gb", "learner_cpus",
+                     "learner_gpus", "learner_memory_gb"):  # fmt: skip
+            _check(getattr(self, name) >= 0, f"launch.{name}", "must be >= 0", getattr(self, name))
+        _check(self.actor_max_restarts >= 0, "launch.actor_max_restarts", "must be >= 0",
+               self.actor_max_restarts)  # fmt: skip
+        self.custom_resources()  # fails on a malformed launch.actor_resources
+
+    def custom_resources(self) -> dict[str, float]:
+        """`actor_resources` parsed: {name: amount}."""
+        out: dict[str, float] = {}
+        for item in filter(None, (x.strip() for x in self.actor_resources.split(","))):
+            name, eq, amount = item.partition("=")
+            try:
+                out[name.strip()] = float(amount)
+            except ValueError:
+                eq = ""
+            _check(bool(eq) and bool(name.strip()) and out.get(name.strip(), -1) >= 0,
+                   "launch.actor_resources", "must be name=amount pairs, comma-separated",
+                   self.actor_resources)  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything one run needs; each section belongs to one component."""
 
@@ -395,6 +443,7 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
         # The learner at version v takes only groups made with weights >= v - η, and actors

@@ -364,8 +364,8 @@ class Hub:
         }  # fmt: skip
 
 
-def main(argv: Sequence[str]) -> int:
-    """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line of `asyncrl replay`."""
     p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
     p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -379,7 +379,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--allow-insecure", action="store_true",
                    help="allow a non-loopback bind without auth")  # fmt: skip
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(list(argv))
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
     cfg = load_config(args.config, overrides)
