@@ -46,6 +46,8 @@ import numpy as np
 from actors.engines.base import Engine, GenerationRequest, Sample
 from actors.rewards.base import Verifier, safe_score
 from asyncrl.config import ActorConfig, RunConfig, load_config
+from asyncrl.metrics import LiveMetrics
+from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
     CreditItem,
     CreditReturn,
@@ -58,6 +60,10 @@ from asyncrl.protocol import (
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
 
+ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s", "generate_s",
+                  "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
+                  "credits_returned", "wait_weights_s")  # fmt: skip
+"""Actor statistics that only grow (exported as Prometheus counters)."""
 ROUND_RECORDS = 4096  # rounds whose generate time the status file keeps (the latest ones)
 
 
@@ -104,6 +110,7 @@ class Actor:
         self.round_generate_s: collections.deque[float] = collections.deque(maxlen=ROUND_RECORDS)
         """engine.generate seconds of the latest rounds (their spread feeds the simulator)."""
         self.min_weights_version = 0  # credits need weights at least this new (see run)
+        self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.started = time.perf_counter()
         self.eos_id = int(tokenizer.eos_token_id)
         if receiver is not None:
@@ -134,12 +141,21 @@ class Actor:
                 self.conn.send(group)
                 self.stats["groups_pushed"] += 1
             generated += len(credits)
+            self.publish_metrics()
             if max_groups and generated >= max_groups:
                 break
         self.swap_weights()  # the last announced weights, if they arrived meanwhile
         self.return_credits()  # last: the caller closes the connection (Bye) right after
 
     # --- named steps --------------------------------------------------------------------------
+
+    def publish_metrics(self) -> None:
+        """A snapshot for the live /metrics endpoint (when [metrics] turns it on)."""
+        if self.live is None:
+            return
+        gen_s = self.stats["generate_s"]
+        self.live.publish({**self.stats, "policy_version": self.engine.policy_version,
+                           "tokens_per_s": self.stats["tokens"] / gen_s if gen_s else 0.0})  # fmt: skip
 
     def swap_weights(self) -> None:
         """At a generation boundary: load the newest fully received weights, if any."""
@@ -383,6 +399,9 @@ def main(argv: Sequence[str]) -> int:
         receiver=receiver,
     )  # fmt: skip
     actor.stop_event = stop
+    if cfg.metrics.actor_port:
+        port = cfg.metrics.actor_port + args.index
+        actor.live = start_metrics("actor", args.actor_id, port, ACTOR_COUNTERS)
     conn.start()
     try:
         actor.run(max_groups=args.max_groups)

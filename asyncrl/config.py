@@ -384,6 +384,23 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Live Prometheus endpoints (asyncrl/metrics.py); 0 = off."""
+
+    hub_port: int = 0
+    """Port of the hub's /metrics endpoint."""
+    actor_port: int = 0
+    """Port of actor 0's endpoint; actor i serves on actor_port + i."""
+    learner_port: int = 0
+    """Port of the learner's endpoint (rank 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hub_port", "actor_port", "learner_port"):
+            port = getattr(self, name)
+            _check(0 <= port <= 65535, f"metrics.{name}", "must be in [0, 65535]", port)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Placement of the roles on a cluster by `asyncrl launch --ray` (tools/launch.py)."""
 
@@ -444,6 +461,7 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         # The learner at version v takes only groups made with weights >= v - η, and actors

@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import RunConfig
+from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import Batch, Error, Members, SampleRequest, Version, WeightsAnnounce
 from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
@@ -95,6 +96,7 @@ class Learner:
         self.stop_event = threading.Event()
         self.start_time = time.time()
         self.plan = plan
+        self.live: LiveMetrics | None = None
         self.publisher: WeightPublisher | None = None
         self.source: ShardedSource | None = None
         if ranks.is_leader:
@@ -129,7 +131,10 @@ class Learner:
             self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
-            log.log(self.step, self.step_metrics(batch, metrics, wait_s, step_s))
+            row = self.step_metrics(batch, metrics, wait_s, step_s)
+            log.log(self.step, row)
+            if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
+                self.live.publish({**row, "step": self.step})
             every = self.cfg.learner.checkpoint_every
             if every and self.step % every == 0:
                 self.checkpoint()

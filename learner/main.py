@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import RunConfig, load_config, to_toml
+from asyncrl.metrics import start as start_metrics
 from asyncrl.tiny_model import ensure_model
 from asyncrl.transport import HubConnection
 from learner.loop import Learner
@@ -89,6 +90,8 @@ def main(argv: Sequence[str]) -> int:
     learner = Learner(cfg, run_dir, conn, model_dir, ranks)
     if args.resume:
         learner.resume()
+    if cfg.metrics.learner_port:
+        learner.live = start_metrics("learner", "rank0", cfg.metrics.learner_port)
     signal.signal(signal.SIGTERM, lambda *_: learner.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: learner.stop_event.set())
     welcome = conn.start()

@@ -154,3 +154,35 @@ def test_slurm_script_is_bash_and_its_asyncrl_lines_parse() -> None:
 def test_manifest_names_carry_the_app_label(path: Path) -> None:
     for doc in yaml.safe_load_all(path.read_text()):
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "asyncrl"
+
+
+def test_prometheus_annotations_match_the_metrics_ports(tmp_path: Path) -> None:
+    """Each role's pods are annotated for scraping on the port its process serves /metrics on
+    (the ConfigMap's [metrics]), and the container declares that port."""
+    from asyncrl.config import load_config
+
+    all_docs = docs()
+    config = next(d for d in all_docs if d["kind"] == "ConfigMap")
+    path = tmp_path / "run.toml"
+    path.write_text(config["data"]["run.toml"])
+    metrics = load_config(path).metrics
+    ports = {"hub": metrics.hub_port, "actor": metrics.actor_port, "learner": metrics.learner_port}
+    annotated = set()
+    for d in all_docs:
+        for template in pod_templates(d):
+            meta = template.get("metadata", {})
+            role = meta.get("labels", {}).get("app.kubernetes.io/component")
+            if role not in ports:
+                continue
+            notes = meta["annotations"]
+            assert (
+                notes["prometheus.io/scrape"] == "true"
+                and notes["prometheus.io/path"] == "/metrics"
+            )
+            assert int(notes["prometheus.io/port"]) == ports[role] > 0, role
+            declared = [
+                p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]
+            ]
+            assert ports[role] in declared, role
+            annotated.add(role)
+    assert annotated == set(ports)
