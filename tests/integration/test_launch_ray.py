@@ -1,7 +1,8 @@
 """`asyncrl launch --ray` on a real local Ray head (2 CPUs, loopback), started by the test.
 
-A tiny run trains end to end under the launcher with two actors, the hub on the node's address
-with CURVE auth on; one actor's Ray worker is
+A tiny run trains end to end under the launcher with two actors and two learner ranks (FSDP2,
+placed in a placement group, rank 0's node and port as their rendezvous), the hub on the node's
+address with CURVE auth on; one actor's Ray worker is
 SIGKILLed mid-run (its pid from the run's pids.json): Ray restarts it, the role process starts
 again, rejoins the hub, and the run still ends at its step budget with every actor, the
 restarted one included, holding the learner's final weights.
@@ -62,8 +63,9 @@ def test_launch_trains_and_survives_a_killed_actor_worker(ray_head: str, tmp_pat
                    check=True)  # fmt: skip
     overrides = [
         f"replay.auth_dir={json.dumps(str(keys))}",
-        f"learner.max_steps={STEPS}", "run.num_actors=2", "launch.hub_cpus=0.2",
-        "launch.actor_cpus=0.5", "launch.learner_cpus=0.5", "run.progress_every_s=1",
+        f"learner.max_steps={STEPS}", "run.num_actors=2", "learner.world=2",
+        "launch.hub_cpus=0.2", "launch.actor_cpus=0.4", "launch.learner_cpus=0.5",
+        "run.progress_every_s=1",
         f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs" / "tiny_cpu.toml"),
@@ -89,7 +91,8 @@ def test_launch_trains_and_survives_a_killed_actor_worker(ray_head: str, tmp_pat
         status = json.loads((run_dir / f"{name}.json").read_text())
         assert status["policy_version"] == STEPS, (name, status)
         assert status["weights_digest"] == learner["weights_digest"], name
-    for log in ("hub.log", "actor-0.log", "actor-1.log", "learner.log"):
+    assert "with 2 rank(s)" in (run_dir / "learner.log").read_text()
+    for log in ("hub.log", "actor-0.log", "actor-1.log", "learner.log", "learner-rank1.log"):
         assert (run_dir / log).is_file(), log
 
 
