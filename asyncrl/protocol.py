@@ -41,12 +41,16 @@ from asyncrl.messages import (
     PROTOCOL_VERSION,
     ROLES,
     Ack,
+    AlarmRaised,
     Batch,
     Bye,
+    Control,
     CreditItem,
     CreditReturn,
     Credits,
     Error,
+    EvalRequest,
+    EvalResult,
     Group,
     Heartbeat,
     Hello,
@@ -56,6 +60,8 @@ from asyncrl.messages import (
     SampleRequest,
     Stats,
     StatsRequest,
+    Status,
+    StatusRequest,
     Trajectory,
     Version,
     WeightsAnnounce,
@@ -70,6 +76,7 @@ __all__ = [
     "Heartbeat", "Hello", "Members", "Message", "ProtocolError", "SampleRequest", "Stats",
     "StatsRequest", "Trajectory", "Version", "WeightsAnnounce", "WeightsLoaded", "Welcome",
     "check_hello", "decode", "encode",
+    "AlarmRaised", "Control", "EvalRequest", "EvalResult", "Status", "StatusRequest",
 ]  # fmt: skip
 
 
