@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from actors.engines.base import Engine, GenerationRequest, Sample
+from actors.evaluation import ActorEvaluator, verifier_score
 from actors.rewards.base import Verifier, safe_score
 from asyncrl.config import ActorConfig, RunConfig, load_config
 from asyncrl.metrics import LiveMetrics
@@ -111,6 +112,7 @@ class Actor:
         """engine.generate seconds of the latest rounds (their spread feeds the simulator)."""
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
+        self.evaluator: ActorEvaluator | None = None  # runs the hub's evaluation requests
         self.started = time.perf_counter()
         self.eos_id = int(tokenizer.eos_token_id)
         if receiver is not None:
@@ -133,6 +135,8 @@ class Actor:
         generated = 0
         while not self.stop_event.is_set():
             self.swap_weights()
+            if self.evaluator is not None:
+                self.evaluator.poll()  # held-out prompts, outside the training stream
             credits = self.take_credits()
             if not credits:
                 continue
@@ -399,6 +403,7 @@ def main(argv: Sequence[str]) -> int:
         receiver=receiver,
     )  # fmt: skip
     actor.stop_event = stop
+    actor.evaluator = ActorEvaluator(actor, verifier_score(actor.verifier))
     if cfg.metrics.actor_port:
         port = cfg.metrics.actor_port + args.index
         actor.live = start_metrics("actor", args.actor_id, port, ACTOR_COUNTERS)

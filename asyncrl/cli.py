@@ -7,6 +7,10 @@
     asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
     asyncrl bench   NAME [args...]                         a benchmark from bench/
     asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
+    asyncrl status  ENDPOINT [--watch] [--pause|--resume]  a live hub's summary (tools/status.py)
+    asyncrl inspect RUN_DIR [--reward-lt X ...] [--show N] the kept trajectories (tools/inspect.py)
+    asyncrl report  RUN_DIR                                RUN_DIR/report.html (tools/report.py)
+    asyncrl eval    CHECKPOINT [--task T] [--samples N]    evaluate a checkpoint (tools/eval.py)
 
 Subcommand modules are imported only when chosen, so `asyncrl replay` never imports torch.
 """
@@ -23,6 +27,10 @@ COMMANDS = {
     "run": ("asyncrl.run", "main"),
     "keygen": ("asyncrl.auth", "keygen_main"),
     "bench": ("asyncrl.bench_cli", "main"),
+    "eval": ("tools.eval", "main"),
+    "inspect": ("tools.inspect", "main"),
+    "report": ("tools.report", "main"),
+    "status": ("tools.status", "main"),
     "launch": ("tools.launch", "main"),
 }
 

@@ -74,6 +74,7 @@ from asyncrl.protocol import (
     encode,  # fmt: skip
 )
 from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
+from replay import observer
 from replay.admission import CreditBook, generation_version, grant
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
@@ -82,6 +83,7 @@ from replay.prompts import PromptSource, load_dataset
 log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
 ROLE_OF[WeightsAnnounce] = "learner"
+ROLE_OF.update(observer.ROLE_OF)
 
 
 class Hub:
@@ -96,7 +98,8 @@ class Hub:
             max_times_sampled=rc.max_times_sampled, samples_per_insert=rc.samples_per_insert,
             tolerance=rc.samples_per_insert_tolerance,
         )  # fmt: skip
-        self.prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
+        self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
+        self.prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
         self.credits = CreditBook(self.prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context()
@@ -119,6 +122,7 @@ class Hub:
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
             StatsRequest: self.on_stats_request, Bye: self.on_bye,
         }  # fmt: skip
+        self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
 
     @property
     def policy_version(self) -> int:
@@ -140,6 +144,7 @@ class Hub:
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
                 self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
+                self.obs.tick(time.monotonic())  # rates for status; evaluations due
         finally:
             self.close()
 
@@ -183,6 +188,8 @@ class Hub:
         try:
             msg = decode(frames, self.max_message_bytes)
             kind = type(msg)
+            if kind in observer.OPEN_TYPES:  # StatusRequest, Control: no Hello needed
+                return self.obs.on_open(identity, msg)
             if kind is Hello:
                 return self.on_hello(identity, msg)
             client = self.clients.get(identity)
@@ -326,6 +333,8 @@ class Hub:
         Each actor's share is bounded by the window at the version it will generate with
         (`replay.admission.grant`), which it reports in WeightsLoaded and heartbeats.
         """
+        if self.obs.paused:  # an alarm or an operator paused the actors
+            return
         actors = list(self.clients.actors())
         free = {c.identity: c.concurrency - self.credits.held_by(c.identity) for c in actors}
         if not any(n > 0 for n in free.values()):
