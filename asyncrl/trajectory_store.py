@@ -1,10 +1,12 @@
 """The trajectory store: trained trajectories kept in the run directory, columnar, for tools.
 
 ```
-  learner step ──(sampled / outlier / alarm trajectories + learner logprobs)──> TrajectoryWriter
+  learner step ──(sampled / outlier / alarm trajectories + learner logprobs)──> build_table
+      ──> TrajectoryWriter
       run_dir/trajectories/meta.json                 tokenizer dir, task, sampling stride, counts
       run_dir/trajectories/sample-000000120.npz      one regular sample (a step's chosen groups)
-      run_dir/trajectories/flagged-000000371.npz     outliers and the batch of an alarm's step
+      run_dir/trajectories/flagged-000000371.npz     outliers and alarm batches from step 371 on,
+                                                     written together (256 or at flush())
   asyncrl inspect / asyncrl report ──> load_table(run_dir) ──> Table (all shards, one index)
 ```
 
@@ -44,6 +46,7 @@ META_FILE = "meta.json"
 TOKEN_COLUMNS = ("tokens",)
 COMPLETION_COLUMNS = ("loss_mask", "behavior_logprobs", "learner_logprobs")
 COMPONENT_PREFIX = "component."
+FLUSH_ROWS = 256  # flagged trajectories written together in one shard
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class TrajectoryWriter:
         self.meta: dict[str, Any] = {"stride": 1, "num_flagged": 0, "flagged_dropped": 0}
         self.meta.update({k: old[k] for k in self.meta if k in old})  # a resumed run continues
         self.meta.update(meta)
+        self.pending: list[dict[str, np.ndarray]] = []  # flagged tables not yet written
         self.save_meta()
 
     def sample_due(self, step: int) -> bool:
@@ -73,26 +77,10 @@ class TrajectoryWriter:
         every = self.cfg.sample_every_steps
         return every > 0 and step % (every * self.meta["stride"]) == 0
 
-    def write(self, kind: str, step: int, groups: Sequence[Group], kept: Sequence[Kept],
-              columns: Mapping[str, Any]) -> Path:  # fmt: skip
-        """One shard of `kept` trajectories of the step; `columns` adds per-trajectory values
-        (train_version, staleness, learner_logprobs: one array per kept trajectory, task...).
-        Flagged trajectories must fit in `room()`."""
-        assert kind in ("sample", "flagged") and kept
-        if kind == "flagged":
-            assert self.meta["num_flagged"] + len(kept) <= self.cfg.max_flagged
-            self.meta["num_flagged"] += len(kept)
-        path = self.root / f"{kind}-{step:09d}.npz"
-        n = 0
-        while path.exists():  # a second flagged shard of the same step
-            n += 1
-            path = self.root / f"{kind}-{step:09d}-{n}.npz"
-        table = build_table(step, groups, kept, columns)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, **table)
-        os.replace(tmp, path)
-        if kind == "sample":
-            self.thin()
+    def write_sample(self, step: int, table: dict[str, np.ndarray]) -> Path:
+        """The sampled trajectories of one step, as one shard (then thin the sample)."""
+        path = self._save(f"sample-{step:09d}", table)
+        self.thin()
         self.save_meta()
         return path
 
@@ -104,6 +92,34 @@ class TrajectoryWriter:
             self.meta["flagged_dropped"] += num_flagged - room
             self.save_meta()
         return room
+
+    def add_flagged(self, table: dict[str, np.ndarray]) -> None:
+        """Flagged trajectories (fitting in `room()`); written together by `flush()`."""
+        self.meta["num_flagged"] += len(table["step"])
+        assert self.meta["num_flagged"] <= self.cfg.max_flagged
+        self.pending.append(table)
+        if sum(len(t["step"]) for t in self.pending) >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        """Write the pending flagged trajectories as one shard (named by the first step)."""
+        if not self.pending:
+            return None
+        table = concat_tables(self.pending)
+        self.pending = []
+        path = self._save(f"flagged-{int(table['step'][0]):09d}", table)
+        self.save_meta()
+        return path
+
+    def _save(self, stem: str, table: dict[str, np.ndarray]) -> Path:
+        path, n = self.root / f"{stem}.npz", 0
+        while path.exists():  # a second shard starting at the same step
+            n += 1
+            path = self.root / f"{stem}-{n}.npz"
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **table)
+        os.replace(tmp, path)
+        return path
 
     def thin(self) -> None:
         """Past max_sampled_steps sampled shards: double the stride, drop the shards off it."""
@@ -259,12 +275,17 @@ def load_table(run_dir: str | Path) -> Table:
     for path in shards:
         with np.load(path, allow_pickle=False) as npz:
             parts.append({k: npz[k] for k in npz.files})
+    return Table(concat_tables(parts))
+
+
+def concat_tables(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Tables one after the other; a column some lack (a component) is NaN or "" there."""
     names = sorted({k for p in parts for k in p})
     columns: dict[str, np.ndarray] = {}
     for name in names:
         pieces = [p[name] if name in p else _missing(p, name) for p in parts]
         columns[name] = np.concatenate(pieces) if pieces else np.zeros(0)
-    return Table(columns)
+    return columns
 
 
 def _missing(part: dict[str, np.ndarray], name: str) -> np.ndarray:

@@ -36,7 +36,7 @@ import torch
 from asyncrl.alarms import Alarm, AlarmMonitor, json_safe
 from asyncrl.evaluation import EvalLog, summarize
 from asyncrl.protocol import AlarmRaised, Batch, EvalResult, Group
-from asyncrl.trajectory_store import Kept, TrajectoryWriter
+from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table
 from learner.advantages import group_advantages
 from learner.batching import collate
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 OUTLIER_STEPS = 50  # recent steps whose trajectories define "normal" reward and length
 ALARMS_FILE = "alarms.jsonl"
+FLUSH_EVERY_STEPS = 100  # flagged trajectories reach the disk at least this often
 
 
 class LearnerObserver:
@@ -139,6 +140,8 @@ class LearnerObserver:
             groups = list(batch.groups)
             logprobs = self.flagged_logprobs(groups, flagged)
             self.write("flagged", groups, flagged, logprobs, trained_at, trained_at + 1)
+        if alarms or self.learner.step % FLUSH_EVERY_STEPS == 0:
+            self.store.flush()  # an alarm's batch is on disk at once; the rest now and then
 
     def flagged_logprobs(self, groups: list[Group], kept: list[Kept]) -> list[np.ndarray]:
         """Learner logprobs of the kept trajectories (one forward over their groups)."""
@@ -163,11 +166,15 @@ class LearnerObserver:
             "advantage": np.array([advantages[k.group][k.index] for k in kept], np.float64),
             "task": [str(groups[k.group].metadata.get("task", self.cfg.task.name)) for k in kept],
         }
-        self.store.write(kind, self.learner.step, groups, kept, columns)
+        table = build_table(self.learner.step, groups, kept, columns)
+        if kind == "sample":
+            self.store.write_sample(self.learner.step, table)
+        else:
+            self.store.add_flagged(table)
 
     def outliers(self, batch: Batch) -> list[Kept]:
-        """Trajectories whose reward or length is `outlier_z` standard deviations from the
-        recent steps' (judged before this step joins them)."""
+        """Trajectories whose reward is `outlier_z` standard deviations from the recent steps'
+        mean, or whose length is that far above it (judged before this step joins them)."""
         z = self.cfg.trajectories.outlier_z
         rewards = [r for g in batch.groups for r in g.rewards]
         lengths = [s - p for g in batch.groups for s, p in zip(g.seq_lens, g.prompt_lens, strict=True)]  # fmt: skip
@@ -177,9 +184,7 @@ class LearnerObserver:
             past_l = [n for _, ls in self.recent for n in ls]
             flat = [(g, i) for g, group in enumerate(batch.groups) for i in range(group.size)]
             for (g, i), r, n in zip(flat, rewards, lengths, strict=True):
-                why = _outlier(r, past_r, z, 1e-3, "reward") or _outlier(
-                    n, past_l, z, 1.0, "length"
-                )
+                why = _outlier(r, past_r, z, 1e-3, "reward") or _long(n, past_l, z)
                 if why:
                     found.append(Kept(g, i, why))
         self.recent.append((rewards, lengths))
@@ -216,6 +221,7 @@ class LearnerObserver:
         self.wandb.log(numbers, step=step)
 
     def close(self) -> None:
+        self.store.flush()
         self.evals.close()
         if self.wandb is not None:
             self.wandb.finish()
@@ -225,6 +231,14 @@ def _outlier(value: float, past: list[float], z: float, floor: float, name: str)
     mean = sum(past) / len(past)
     std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
     return f"outlier:{name}" if abs(value - mean) > z * max(std, floor) else ""
+
+
+def _long(length: int, past: list[float], z: float) -> str:
+    """A completion far longer than usual (a length blow-up; short ones are no outliers: a
+    policy that learns to stop early is the common case)."""
+    mean = sum(past) / len(past)
+    std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
+    return "outlier:length" if length - mean > z * max(std, 1.0) else ""
 
 
 def start_wandb(cfg: Any, run_dir: Path) -> Any | None:
