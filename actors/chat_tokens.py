@@ -21,11 +21,13 @@ add a default system prompt or treat past reasoning specially see the same stand
 renders. A template whose render does not continue the stand-in's text up to that cut is
 refused with a `ValueError` (it cannot be rendered incrementally).
 
-Without a chat template, messages are their contents joined by newlines.
+Without a chat template, messages are their contents joined by newlines (tool schemas, if any,
+as JSON lines before them).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,7 +59,7 @@ class ChatTokens:
                     add_generation_prompt=True, tokenize=False,
                 )  # fmt: skip
                 return self.encode(text)
-            return self.encode(_joined(obs.messages), special=True)
+            return self.encode(_tools_text(obs.tools) + _joined(obs.messages), special=True)
         if obs.text:
             return self.encode(obs.text, special=True)
         raise ValueError("the first observation has neither messages nor text")
@@ -103,6 +105,13 @@ class ChatTokens:
 
     def _stop_texts(self) -> list[str]:
         return [self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids]
+
+
+def _tools_text(tools: Sequence[dict[str, Any]]) -> str:
+    """Tool schemas as plain text, for a tokenizer without a chat template to render them."""
+    if not tools:
+        return ""
+    return "Tools (JSON schemas):\n" + "\n".join(json.dumps(t) for t in tools) + "\n"
 
 
 def _joined(messages: Sequence[dict[str, str]]) -> str:
