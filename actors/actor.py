@@ -47,6 +47,8 @@ from actors.envs.base import Env
 from actors.envs.data import from_credit
 from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
 from asyncrl.config import ActorConfig, RunConfig, load_config
+from asyncrl.metrics import LiveMetrics
+from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
     CreditItem,
     CreditReturn,
@@ -59,6 +61,11 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
+
+ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s", "generate_s",
+                  "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
+                  "credits_returned", "wait_weights_s")  # fmt: skip
+"""Actor statistics that only grow (exported as Prometheus counters)."""
 
 
 class Actor:
@@ -94,6 +101,7 @@ class Actor:
             "credits_returned": 0, "wait_weights_s": 0.0, "wall_s": 0.0,
         }  # fmt: skip
         self.min_weights_version = 0  # credits need weights at least this new (see run)
+        self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.started = time.perf_counter()
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
@@ -121,6 +129,7 @@ class Actor:
             if not self.episodes.num_groups:
                 continue
             self.send(self.make_groups(self.score(self.episodes.advance())))
+            self.publish_metrics()
             if max_groups and self.stats["groups_pushed"] >= max_groups:
                 break
         while self.episodes.num_groups:  # finish what is in flight (bounded by its limits)
@@ -129,6 +138,15 @@ class Actor:
         self.return_credits()  # last: the caller closes the connection (Bye) right after
 
     # --- named steps --------------------------------------------------------------------------
+
+    def publish_metrics(self) -> None:
+        """A snapshot for the live /metrics endpoint (when [metrics] turns it on)."""
+        if self.live is None:
+            return
+        stats = self.status_stats()
+        gen_s = stats["generate_s"]
+        self.live.publish({**stats, "policy_version": self.engine.policy_version,
+                           "tokens_per_s": stats["tokens"] / gen_s if gen_s else 0.0})  # fmt: skip
 
     def swap_weights(self) -> None:
         """At a generation boundary: load the newest fully received weights, if any."""
@@ -365,6 +383,9 @@ def main(argv: Sequence[str]) -> int:
         make_env=lambda: make_env(cfg.task), receiver=receiver,
     )  # fmt: skip
     actor.stop_event = stop
+    if cfg.metrics.actor_port:
+        port = cfg.metrics.actor_port + args.index
+        actor.live = start_metrics("actor", args.actor_id, port, ACTOR_COUNTERS)
     conn.start()
     try:
         actor.run(max_groups=args.max_groups)

@@ -2,10 +2,11 @@
 
     asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/server.py)
     asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor.py)
-    asyncrl learner --config C --hub EP                    the learner (learner/loop.py)
+    asyncrl learner --config C --hub EP [--world N]       the learner (learner/main.py)
     asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (asyncrl/run.py)
     asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
     asyncrl bench   NAME [args...]                         a benchmark from bench/
+    asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
 
 Subcommand modules are imported only when chosen, so `asyncrl replay` never imports torch.
 """
@@ -18,10 +19,11 @@ import sys
 COMMANDS = {
     "replay": ("replay.server", "main"),
     "actor": ("actors.actor", "main"),
-    "learner": ("learner.loop", "main"),
+    "learner": ("learner.main", "main"),
     "run": ("asyncrl.run", "main"),
     "keygen": ("asyncrl.auth", "keygen_main"),
     "bench": ("asyncrl.bench_cli", "main"),
+    "launch": ("tools.launch", "main"),
 }
 
 

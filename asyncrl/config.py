@@ -77,11 +77,16 @@ class ModelConfig:
     extra_chars: str = ""
     """Tiny model: characters added to its alphabet (a task's call syntax, say), one token
     each; empty keeps the default alphabet (and the same build)."""
+    arch: Literal["llama", "qwen2", "mistral", "qwen3", "qwen3_moe"] = "llama"
+    """Tiny model: the model family to build (asyncrl/model_families.py)."""
+    num_experts: int = 4
+    """Tiny model, `qwen3_moe` only: experts per MoE layer (2 active per token)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and generation."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "num_experts"):  # fmt: skip
             _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
         _check(
             self.hidden_size % self.num_heads == 0,
@@ -359,7 +364,15 @@ class LearnerConfig:
     publish_every: int = 1
     """Publish weights to actors every N steps."""
     world: int = 1
-    """Learner ranks (torch.distributed world size)."""
+    """Learner ranks (torch.distributed world size): FSDP2 over gloo on CPU, nccl on GPU.
+    `asyncrl learner` starts this many local ranks itself, or joins the ranks a launcher
+    (torchrun, srun) started through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner trains: `auto` = this rank's GPU (LOCAL_RANK) when CUDA is present,
+    else the CPU."""
+    dist_timeout_s: float = 3600.0
+    """Timeout of the learner ranks' collectives (s); ranks > 0 wait in one while rank 0
+    waits for data, so it must exceed the longest wait for a batch."""
     wait_actors_s: float = 600.0
     """Before its first step the learner waits up to this long for run.num_actors actors to
     connect, so that every actor holds the starting weights and a short run does not end before
@@ -402,6 +415,15 @@ class LearnerConfig:
         )
         _check(self.publish_every >= 1, "learner.publish_every", "must be >= 1", self.publish_every)
         _check(self.world >= 1, "learner.world", "must be >= 1", self.world)
+        _check(
+            self.dist_timeout_s > 0, "learner.dist_timeout_s", "must be > 0", self.dist_timeout_s
+        )
+        _check(
+            self.groups_per_step >= self.world,
+            "learner.groups_per_step",
+            f"must be >= learner.world ({self.world}): every rank trains on whole groups",
+            self.groups_per_step,
+        )
         _check(self.wait_actors_s >= 0, "learner.wait_actors_s", "must be >= 0", self.wait_actors_s)
 
 
@@ -426,6 +448,71 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Live Prometheus endpoints (asyncrl/metrics.py); 0 = off."""
+
+    hub_port: int = 0
+    """Port of the hub's /metrics endpoint."""
+    actor_port: int = 0
+    """Port of actor 0's endpoint; actor i serves on actor_port + i."""
+    learner_port: int = 0
+    """Port of the learner's endpoint (rank 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hub_port", "actor_port", "learner_port"):
+            port = getattr(self, name)
+            _check(0 <= port <= 65535, f"metrics.{name}", "must be in [0, 65535]", port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Placement of the roles on a cluster by `asyncrl launch --ray` (tools/launch.py)."""
+
+    hub_cpus: float = 1.0
+    """CPUs the hub reserves."""
+    actor_cpus: float = 1.0
+    """CPUs each actor reserves."""
+    actor_gpus: float = 0.0
+    """GPUs each actor reserves (its engine)."""
+    actor_memory_gb: float = 0.0
+    """Memory each actor reserves, GB (0 = no reservation)."""
+    actor_resources: str = ""
+    """Custom resources each actor needs, `name=amount` comma-separated (e.g. `env_worker=1`)."""
+    actor_max_restarts: int = 3
+    """How often a failed actor is restarted (its process or its whole Ray worker)."""
+    learner_cpus: float = 1.0
+    """CPUs each learner rank reserves."""
+    learner_gpus: float = 0.0
+    """GPUs each learner rank reserves (1 with nccl)."""
+    learner_memory_gb: float = 0.0
+    """Memory each learner rank reserves, GB (0 = no reservation)."""
+    allow_insecure: bool = False
+    """Let the hub bind a non-loopback address without CURVE auth (replay.auth_dir)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hub_cpus", "actor_cpus", "actor_gpus", "actor_memory_gb", "learner_cpus",
+                     "learner_gpus", "learner_memory_gb"):  # fmt: skip
+            _check(getattr(self, name) >= 0, f"launch.{name}", "must be >= 0", getattr(self, name))
+        _check(self.actor_max_restarts >= 0, "launch.actor_max_restarts", "must be >= 0",
+               self.actor_max_restarts)  # fmt: skip
+        self.custom_resources()  # fails on a malformed launch.actor_resources
+
+    def custom_resources(self) -> dict[str, float]:
+        """`actor_resources` parsed: {name: amount}."""
+        out: dict[str, float] = {}
+        for item in filter(None, (x.strip() for x in self.actor_resources.split(","))):
+            name, eq, amount = item.partition("=")
+            try:
+                out[name.strip()] = float(amount)
+            except ValueError:
+                eq = ""
+            _check(bool(eq) and bool(name.strip()) and out.get(name.strip(), -1) >= 0,
+                   "launch.actor_resources", "must be name=amount pairs, comma-separated",
+                   self.actor_resources)  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything one run needs; each section belongs to one component."""
 
@@ -437,6 +524,8 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         # The learner at version v takes only groups made with weights >= v - η, and actors

@@ -313,6 +313,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     overrides = list(args.set) + (
@@ -320,6 +324,7 @@ def main(argv: Sequence[str]) -> int:
     )
     cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.run.run_dir)
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: the Ctrl-C path, by pid
     summary = run(cfg, run_dir, quiet=args.quiet, resume=args.resume)
     if summary.get("steps"):
         print(

@@ -11,8 +11,9 @@ downloaded):
   the vocabulary is then padded with unused `<unusedN>` tokens to a multiple of 8 again. It is
   made with `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
   `PreTrainedTokenizerFast`;
-- model: `LlamaForCausalLM` with untied embeddings, widths from `ModelConfig`, seeded random
-  initialisation (`model.init_seed`), saved as safetensors in `model.dtype`.
+- model: `LlamaForCausalLM` with untied embeddings (or another family, `model.arch`: see
+  asyncrl/model_families.py), widths from `ModelConfig`, seeded random initialisation
+  (`model.init_seed`), saved as safetensors in `model.dtype`.
 
 Builds are atomic: a process builds into a private temporary directory and renames it into
 place; a process that loses the race discards its copy and uses the winner's. An existing build
@@ -31,9 +32,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from asyncrl.config import ModelConfig, TaskConfig
+from asyncrl.model_families import family_config
 
 BUILD_FORMAT = 1
 """Bumped whenever the built files change for the same settings (invalidates cached builds)."""
@@ -79,11 +81,14 @@ def build_key(model: ModelConfig) -> str:
         settings.pop(unrelated)
     if not settings["extra_chars"]:
         settings.pop("extra_chars")  # the default alphabet keeps the builds it always had
+    if model.arch == "llama":  # the embedded default keeps the key it had before families
+        settings.pop("arch")
+        settings.pop("num_experts")
     settings["build_format"] = BUILD_FORMAT
     settings["alphabet"] = "".join(ALPHABET)
     settings["max_positions"] = MAX_POSITIONS
     blob = json.dumps(settings, sort_keys=True).encode()
-    return "tiny-llama-" + hashlib.sha256(blob).hexdigest()[:16]
+    return f"tiny-{model.arch.replace('_', '-')}-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def vocab(extra_chars: str = "") -> dict[str, int]:
@@ -118,32 +123,13 @@ def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     )
 
 
-def build_llama_config(model: ModelConfig, vocab_size: int = 0) -> LlamaConfig:
-    """The `LlamaConfig` of the tiny model (`vocab_size` 0: its tokenizer's)."""
-    ids = vocab(model.extra_chars)
-    head_dim = model.hidden_size // model.num_heads
-    return LlamaConfig(
-        vocab_size=vocab_size or len(ids),
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-        torch_dtype=model.dtype,
-    )
-
-
 def _build(model: ModelConfig, out: Path) -> None:
     build_tokenizer(model.extra_chars).save_pretrained(out)
-    config = build_llama_config(model)
+    ids = vocab(model.extra_chars)
+    special = {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}
+    config = family_config(model, len(ids), special, MAX_POSITIONS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model.init_seed)
-        llama = LlamaForCausalLM(config)
+        llama = AutoModelForCausalLM.from_config(config)
     llama.to(_DTYPES[model.dtype])
     llama.save_pretrained(out, safe_serialization=True)

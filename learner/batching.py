@@ -213,27 +213,31 @@ def token_logprobs(
     `row_tokens` tokens (see the module docstring); a batch whose rows share no prompt is
     scored the plain way.
     """
+    device = next(model.parameters()).device  # batches are built on the CPU
     if share_prompt and batch.num_prompts < batch.num_rows:
         packed = pack_shared_prompts(batch, row_tokens)
         out = model(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention,
-            position_ids=packed.position_ids,
+            input_ids=packed.input_ids.to(device),
+            attention_mask=packed.attention.to(device),
+            position_ids=packed.position_ids.to(device),
         ).logits
-        logits = out.reshape(-1, out.shape[-1])[packed.index]
+        logits = out.reshape(-1, out.shape[-1])[packed.index.to(device)]
     else:
-        logits = _completion_logits(model, batch)
+        logits = _completion_logits(model, batch, device)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    targets = batch.completion_ids.unsqueeze(-1)
+    targets = batch.completion_ids.to(device).unsqueeze(-1)
     logprobs = torch.gather(logp_all, 2, targets).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
 
 
-def _completion_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+def _completion_logits(
+    model: torch.nn.Module, batch: TrainBatch, device: torch.device
+) -> torch.Tensor:
     """Logits [B, C, V] predicting each completion token, from one pass over whole rows."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+    logits = model(input_ids=ids, attention_mask=attention).logits
     logits = logits[:, :-1]
-    index = batch.gather_index.clamp(max=logits.shape[1] - 1)
+    index = batch.gather_index.to(device).clamp(max=logits.shape[1] - 1)
     return torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))

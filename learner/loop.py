@@ -13,22 +13,14 @@
    lets actors run (η + v + 1) · groups_per_step groups ahead of what the learner consumed.
 ```
 
-π_prox (DESIGN §5) is the policy at the start of the step. With one optimizer step per batch
-(`learner.minibatches` = 1) the parameters every micro-batch's forward pass uses are exactly
-those, so π_prox = π_θ.detach() and no second forward pass is needed; with several minibatches
-one no-grad forward over the batch computes it first. Logprobs are taken under
-logits / actor.temperature, the distribution the actors sampled from; with
-`learner.share_prompt` each group's prompt is computed once, packed in one row with its
-completions (learner/batching.py), for the same log-probs and gradients. Advantages are
-group-normalised over each whole group before micro-batching. `policy_version` counts optimizer
+The optimizer work of a step (π_prox, micro-batches, loss denominators, several ranks) is
+learner/step.py's; the process entry point is learner/main.py. `policy_version` counts optimizer
 steps and survives `--resume`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -38,33 +30,63 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import RunConfig, load_config, to_toml
+from asyncrl.config import RunConfig
+from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import Batch, Error, Members, SampleRequest, Version, WeightsAnnounce
-from asyncrl.tiny_model import ensure_model
 from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
 from asyncrl.weights.digest import digest_named_tensors
+from asyncrl.weights.gloo_backend import buffer_device
+from asyncrl.weights.hf_layout import checkpoint_tensors, has_fused_experts
 from asyncrl.weights.publisher import WeightPublisher
-from learner.advantages import group_advantages
-from learner.batching import TrainBatch, collate, token_logprobs
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.losses import NEEDS_PROXIMAL, policy_loss
 from learner.metrics_log import MetricsLog
+from learner.parallel import (
+    SINGLE,
+    Op,
+    Ranks,
+    pack_batch,
+    recv_command,
+    send_command,
+    shard_model,
+    unpack_batch,
+)
+from learner.publish import ShardedSource, gather_all, sharded_digest
+from learner.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from learner.step import StepRunner
 
 
 class Learner:
     """Owns the model, the optimizer, `policy_version` and the weight publisher."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, conn: HubConnection, model_dir: Path) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        conn: HubConnection | None,
+        model_dir: Path,
+        ranks: Ranks = SINGLE,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.conn = conn
+        self.conn = conn  # rank 0 only: the other ranks never talk to the hub
         self.model_dir = model_dir
+        self.ranks = ranks
         torch.manual_seed(cfg.run.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(cfg.model.dtype))
         self.model.train()
+        plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
+        self.model.to(train_device(cfg.learner.device, ranks.local_rank))
+        if ranks.distributed:
+            if has_fused_experts(self.model.named_parameters()):
+                raise ValueError(
+                    "learner.world > 1: models with fused MoE expert parameters cannot be "
+                    "published from shards yet; train this model with learner.world = 1"
+                )
+            shard_model(self.model, ranks)
         self.pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
         self.optimizer = make_adamw(self.model, cfg.learner.lr, cfg.learner.weight_decay)
+        self.runner = StepRunner(cfg, self.model, self.optimizer, self.pad_id, ranks)
         self.policy_version = 0
         self.step = 0
         self.request_id = 0
@@ -73,15 +95,21 @@ class Learner:
         self.members_changed = False
         self.stop_event = threading.Event()
         self.start_time = time.time()
-        plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
-        self.publisher = WeightPublisher(
-            plan,
-            backend=cfg.weights.backend,
-            store_host=cfg.weights.host,
-            store_port=0,
-            timeout_s=cfg.weights.timeout_s,
-            announce=self.announce,
-        )
+        self.plan = plan
+        self.live: LiveMetrics | None = None
+        self.publisher: WeightPublisher | None = None
+        self.source: ShardedSource | None = None
+        if ranks.is_leader:
+            self.publisher = WeightPublisher(
+                plan,
+                backend=cfg.weights.backend,
+                store_host=cfg.weights.host,
+                store_port=0,
+                timeout_s=cfg.weights.timeout_s,
+                announce=self.announce,
+            )
+        if ranks.is_leader and ranks.distributed:
+            self.source = ShardedSource(plan, self.model, buffer_device(cfg.weights.backend))
 
     # --- the main loop ------------------------------------------------------------------------
 
@@ -103,7 +131,10 @@ class Learner:
             self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
-            log.log(self.step, self.step_metrics(batch, metrics, wait_s, step_s))
+            row = self.step_metrics(batch, metrics, wait_s, step_s)
+            log.log(self.step, row)
+            if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
+                self.live.publish({**row, "step": self.step})
             every = self.cfg.learner.checkpoint_every
             if every and self.step % every == 0:
                 self.checkpoint()
@@ -146,107 +177,11 @@ class Learner:
         return None, time.perf_counter() - start
 
     def optimize(self, batch: Batch) -> dict[str, float]:
-        """`learner.minibatches` optimizer steps over the batch (one by default), each over its
-        rows in micro-batches with a loss normalised over the minibatch."""
-        data = collate(batch.groups, self.pad_id)
-        advantages = self.advantages(batch, data)
-        parts = self.cfg.learner.minibatches
-        needs = parts > 1 and self.cfg.loss.name in NEEDS_PROXIMAL
-        proximal = self.proximal_logprobs(data) if needs else None
-        bounds = [round(k * data.num_rows / parts) for k in range(parts + 1)]
-        sums: dict[str, float] = {}
-        for start, stop in zip(bounds, bounds[1:], strict=False):
-            stats = self.minibatch_step(data, advantages, proximal, start, stop)
-            for key, value in stats.items():
-                if key == "is_weight_max":
-                    sums[key] = max(sums.get(key, 0.0), value)
-                else:
-                    sums[key] = sums.get(key, 0.0) + value * (stop - start) / data.num_rows
-        return sums
-
-    def minibatch_step(
-        self,
-        data: TrainBatch,
-        advantages: torch.Tensor,
-        proximal: torch.Tensor | None,
-        first: int,
-        last: int,
-    ) -> dict[str, float]:
-        """One AdamW step over rows [first, last), accumulated over micro-batches."""
-        mask = data.mask[first:last]
-        totals = {
-            "num_samples_total": last - first,
-            "max_tokens": self.cfg.actor.max_new_tokens,
-            "num_tokens_total": float(mask.sum().clamp(min=1.0)),
-        }
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for start, stop in self.micro_batches(first, last):
-            prox = proximal[start:stop] if proximal is not None else None
-            stats = self.micro_step(data.rows(start, stop), advantages[start:stop], prox, totals)
-            for key, value in stats.items():
-                weight = (stop - start) / (last - first)
-                sums[key] = sums.get(key, 0.0) + (value if key == "loss" else value * weight)
-            sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), stats["is_weight_max"])
-        clip = self.cfg.learner.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else float("inf")
-        )
-        self.optimizer.step()
-        sums["grad_norm"] = float(norm)
-        return sums
-
-    @torch.no_grad()
-    def proximal_logprobs(self, data: TrainBatch) -> torch.Tensor:
-        """π_prox: log-probs of every row under the parameters at the batch's start."""
-        out = torch.empty_like(data.behavior_logprobs)
-        for start, stop in self.micro_batches(0, data.num_rows):
-            rows = data.rows(start, stop)  # keeps the batch's completion width
-            out[start:stop] = self.score(rows)[0]
-        return out
-
-    def micro_batches(self, first: int, last: int) -> list[tuple[int, int]]:
-        """[start, stop) row ranges of at most learner.micro_batch_samples rows."""
-        size = self.cfg.learner.micro_batch_samples
-        return [(start, min(start + size, last)) for start in range(first, last, size)]
-
-    def micro_step(
-        self,
-        mb: TrainBatch,
-        advantages: torch.Tensor,
-        proximal: torch.Tensor | None,
-        totals: dict[str, Any],
-    ) -> dict[str, float]:
-        logprobs, entropy = self.score(mb)
-        loss, stats = policy_loss(
-            logprobs,
-            logprobs.detach() if proximal is None else proximal,
-            mb.behavior_logprobs,
-            advantages,
-            mb.mask,
-            self.cfg.loss,
-            **totals,
-        )
-        loss.backward()
-        produced = mb.mask.sum().clamp(min=1.0)
-        stats["entropy"] = float((entropy * mb.mask).sum() / produced)
-        return stats
-
-    def score(self, rows: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy [rows, C] of the completions under the current parameters."""
-        learner = self.cfg.learner
-        return token_logprobs(self.model, rows, self.cfg.actor.temperature,
-                              learner.share_prompt, learner.packed_row_tokens)  # fmt: skip
-
-    def advantages(self, batch: Batch, data: TrainBatch) -> torch.Tensor:
-        """Group-normalised advantages, one per row, in collate's row order."""
-        out = []
-        for g in batch.groups:
-            rewards = torch.tensor(g.rewards, dtype=torch.float32)[None, :]
-            out.append(group_advantages(rewards, std_norm=self.cfg.loss.adv_std_norm)[0])
-        adv = torch.cat(out)
-        assert adv.shape[0] == data.num_rows
-        return adv
+        """The step's optimizer work (learner/step.py); with several ranks, rank 0 first hands
+        the batch to the others, which train on their share of it."""
+        if self.ranks.distributed:
+            send_command(Op.TRAIN, pack_batch(batch))
+        return self.runner.optimize(batch)
 
     def report_version(self) -> None:
         """Tell the hub the new version; learn which actors are alive (broadcast members)."""
@@ -290,8 +225,16 @@ class Learner:
         self.start_time = time.time()
 
     def publish(self) -> None:
-        """Snapshot the weights and hand them to the publisher thread (non-blocking)."""
-        self.publisher.publish(self.policy_version, self.model.named_parameters(), self.members)
+        """Snapshot the weights and hand them to the publisher thread (non-blocking); with
+        several ranks, gather and broadcast bucket by bucket now (learner/publish.py)."""
+        assert self.publisher is not None
+        if self.source is None:
+            named = checkpoint_tensors(self.model.named_parameters())  # the actors' layout
+            self.publisher.publish(self.policy_version, named, self.members)
+        else:
+            send_command(Op.PUBLISH)
+            buckets = self.source.buckets()
+            self.publisher.publish_blocking(self.policy_version, buckets, self.members)
         self.published_to = list(self.members)
 
     def announce(self, announcement: dict[str, Any]) -> None:
@@ -347,23 +290,54 @@ class Learner:
         }
 
     def checkpoint(self) -> Path:
+        """Save model, optimizer and run state (every rank writes its shards when sharded)."""
         state = {"policy_version": self.policy_version, "step": self.step}
-        return save_checkpoint(
-            checkpoint_dir(self.run_dir, self.step),
-            self.model,
-            self.optimizer,
-            state,
-            tokenizer_dir=self.model_dir,
-            keep_last=2,
-        )
+        path = checkpoint_dir(self.run_dir, self.step)
+        if not self.ranks.distributed:
+            return save_checkpoint(
+                path, self.model, self.optimizer, state, tokenizer_dir=self.model_dir, keep_last=2
+            )
+        if self.ranks.is_leader:
+            send_command(Op.CHECKPOINT, json.dumps(state).encode())
+        state["world"] = self.ranks.world
+        return save_sharded(
+            path, self.model, self.optimizer, state, self.model_dir,
+            rank=self.ranks.rank, keep_last=2,
+        )  # fmt: skip
 
     def resume(self) -> None:
+        """Continue from the run directory's latest checkpoint, at any world size (collective)."""
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
-        state = load_checkpoint(ckpt, self.model, self.optimizer)
+        if is_sharded(ckpt):
+            state = load_sharded(ckpt, self.model, self.optimizer)
+        elif self.ranks.distributed:
+            raise ValueError(
+                f"--resume: {ckpt} was written by a single-rank learner (no dcp/ state); "
+                "resume it with learner.world = 1"
+            )
+        else:
+            state = load_checkpoint(ckpt, self.model, self.optimizer)
         self.policy_version = int(state["policy_version"])
         self.step = int(state["step"])
+
+    def follow(self) -> None:
+        """Ranks > 0: mirror rank 0's collectives until it says STOP."""
+        while True:
+            op, payload, _ = recv_command()
+            if op is Op.TRAIN:
+                self.runner.optimize(unpack_batch(payload))
+            elif op is Op.PUBLISH:
+                gather_all(self.plan, self.model)
+            elif op is Op.CHECKPOINT:
+                state = json.loads(payload)
+                self.policy_version, self.step = state["policy_version"], state["step"]
+                self.checkpoint()
+            elif op is Op.DIGEST:
+                sharded_digest(self.model, leader=False)
+            else:
+                return
 
     def finish(self, wait_actors_s: float) -> dict[str, Any]:
         """Final checkpoint, final weights to every actor, and a summary for the run directory.
@@ -387,9 +361,16 @@ class Learner:
         return {
             "policy_version": self.policy_version,
             "step": self.step,
-            "weights_digest": digest_named_tensors(self.model.named_parameters()),
+            "weights_digest": self.weights_digest(),
             "actors_loaded": loaded,
         }
+
+    def weights_digest(self) -> str:
+        """Digest of the full weights (gathered one parameter at a time when sharded)."""
+        if not self.ranks.distributed:
+            return digest_named_tensors(self.model.named_parameters())
+        send_command(Op.DIGEST)
+        return sharded_digest(self.model, leader=True)
 
     def wait_actors_loaded(self, timeout_s: float) -> dict[str, int]:
         """Poll the hub until every live actor reports the final version (or time runs out)."""
@@ -428,87 +409,14 @@ def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
     )
 
 
+def train_device(choice: str, local_rank: int) -> torch.device:
+    """Where the learner trains: `learner.device` ("auto": this rank's GPU when there is one)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device: 'cuda' asked for, but torch sees no CUDA device")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# --- process entry point ----------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="asyncrl learner", description="Run the learner.")
-    p.add_argument("--config", required=True, help="run config TOML")
-    p.add_argument("--hub", required=True, help="hub endpoint")
-    p.add_argument("--run-dir", default="", help="overrides run.run_dir")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
-    )
-    p.add_argument(
-        "--world", type=int, default=0, help="learner ranks (only 1 is supported so far)"
-    )
-    p.add_argument(
-        "--wait-actors-s",
-        type=float,
-        default=20.0,
-        help="at exit, wait this long for actors to load the final weights",
-    )
-    return p.parse_args(list(argv))
-
-
-def main(argv: Sequence[str]) -> int:
-    """`asyncrl learner`: train until learner.max_steps (or SIGTERM), then checkpoint."""
-    args = parse_args(argv)
-    overrides = list(args.set) + (
-        [f"run.run_dir={json.dumps(args.run_dir)}"] if args.run_dir else []
-    )
-    cfg = load_config(args.config, overrides)
-    if args.world not in (0, 1) or cfg.learner.world != 1:
-        raise ValueError("learner.world / --world: only a single learner rank is supported so far")
-    run_dir = Path(cfg.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "learner_config.toml").write_text(to_toml(cfg))
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    model_dir = ensure_model(cfg.model, cfg.task)
-    conn = HubConnection(
-        args.hub,
-        role="learner",
-        client_id="learner",
-        config_hash=cfg.config_hash(),
-        heartbeat_interval_s=cfg.replay.heartbeat_interval_s,
-        max_message_bytes=cfg.replay.max_message_bytes,
-        hwm=cfg.replay.hwm,
-        auth_dir=cfg.replay.auth_dir,
-    )
-    learner = Learner(cfg, run_dir, conn, model_dir)
-    if args.resume:
-        learner.resume()
-    signal.signal(signal.SIGTERM, lambda *_: learner.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: learner.stop_event.set())
-    welcome = conn.start()
-    learner.members = []
-    log = MetricsLog(run_dir)
-    try:
-        print(
-            f"learner: connected (hub at version {welcome.policy_version}), starting at version "
-            f"{learner.policy_version}",
-            flush=True,
-        )
-        learner.report_version()
-        learner.wait_for_actors(cfg.run.num_actors, cfg.learner.wait_actors_s)
-        learner.train(log)
-    finally:
-        try:
-            summary = learner.finish(args.wait_actors_s)
-            (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=1))
-        finally:
-            _close(log, learner, conn)
-    return 0
-
-
-def _close(log: MetricsLog, learner: Learner, conn: HubConnection) -> None:
-    try:
-        log.close()
-        learner.publisher.close()
-    finally:
-        conn.close(reason="done")

@@ -48,6 +48,8 @@ import zmq
 
 from asyncrl import auth
 from asyncrl.config import RunConfig, load_config
+from asyncrl.metrics import LiveMetrics
+from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
     Batch,
     Bye,
@@ -105,6 +107,8 @@ class Hub:
         self.max_message_bytes = rc.max_message_bytes
         self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
         self.counters: collections.Counter[str] = collections.Counter()
+        self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
+        self.next_metrics = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self.dropped_since_batch = 0
@@ -135,8 +139,19 @@ class Hub:
                 self.expire_dead_clients(time.monotonic())
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
+                self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
         finally:
             self.close()
+
+    def publish_metrics(self, now: float) -> None:
+        """Hand the live metrics endpoint (when on) a snapshot of the counters, once a second."""
+        if self.live is None or now < self.next_metrics:
+            return
+        self.next_metrics = now + 1.0
+        snapshot = self.stats()
+        clients = snapshot.pop("clients")
+        snapshot["clients_alive"] = sum(1 for c in clients.values() if c.get("alive"))
+        self.live.publish(snapshot)
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from signal handlers and other threads)."""
@@ -364,8 +379,14 @@ class Hub:
         }  # fmt: skip
 
 
-def main(argv: Sequence[str]) -> int:
-    """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
+HUB_COUNTERS = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+                "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped",
+                "credits_issued", "credits_expired", "credits_returned", "prompts_reissued")  # fmt: skip
+"""Hub statistics that only grow (exported as Prometheus counters)."""
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line of `asyncrl replay`."""
     p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
     p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -379,7 +400,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--allow-insecure", action="store_true",
                    help="allow a non-loopback bind without auth")  # fmt: skip
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(list(argv))
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
     cfg = load_config(args.config, overrides)
@@ -388,6 +414,8 @@ def main(argv: Sequence[str]) -> int:
         raise ValueError("asyncrl replay: give --dataset FILE or set task.dataset")
     keep_freed_buffers()  # before ZeroMQ's I/O thread starts allocating
     hub = Hub(cfg, dataset, bind=args.bind, allow_insecure=args.allow_insecure)
+    if cfg.metrics.hub_port:
+        hub.live = start_metrics("hub", "hub", cfg.metrics.hub_port, HUB_COUNTERS)
     if args.endpoint_file:
         path = Path(args.endpoint_file)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

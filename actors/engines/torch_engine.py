@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from actors.engines.base import GenerationRequest, Sample
+from asyncrl.weights.hf_layout import checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +67,8 @@ class TorchEngine:
         self._device = next(model.parameters()).device
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._params = dict(model.named_parameters(remove_duplicate=False))
+        # checkpoint names (MoE experts one by one, as views into the fused parameters)
+        self._params = dict(checkpoint_tensors(model.named_parameters(remove_duplicate=False)))
         self._policy_version = 0
 
     @property

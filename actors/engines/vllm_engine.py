@@ -96,6 +96,9 @@ class VllmEngine:
         self._shapes = checkpoint_shapes(model_dir)
         (self._fused,) = self._llm.collective_rpc("fused_parameter_groups")
         self._policy_version = 0
+        from vllm.platforms import current_platform
+
+        self._cpu = current_platform.is_cpu()
 
     @property
     def policy_version(self) -> int:
@@ -125,6 +128,11 @@ class VllmEngine:
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not tensors:
             raise ValueError("load_weights: no tensors given")
+        if self._cpu and any(".mlp.experts." in name for name, _ in tensors):
+            raise ValueError(
+                "load_weights: vLLM on CPU cannot reload MoE expert weights in place (its "
+                "packed CPU MoE layers come back wrong); use the torch engine for MoE on CPU"
+            )
         for name, tensor in tensors:
             self._check_tensor(name, tensor)
         self._check_fused_parts_together({name for name, _ in tensors})

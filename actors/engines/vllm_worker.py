@@ -22,6 +22,9 @@ part left out is not kept from before but comes back as uninitialised memory. So
 fused layer must come in the same call; `fused_parameter_groups` tells the caller which parts
 belong together (`VllmEngine` checks this before sending).
 
+A head tied to the input embeddings shares their weight, but on CPU its GEMM runs on a packed
+copy: after new embeddings arrive, that copy is packed again.
+
 The caller resets vLLM's prefix cache afterwards: cached KV blocks were computed by the old
 weights and would otherwise be reused by later prompts that share a prefix.
 
@@ -62,6 +65,8 @@ class WeightLoaderExtension:
             # The worker's `reload_weights` sets vLLM's current config around the model
             # runner's reload, which the layers' post-load processing reads.
             worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+            if any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):
+                _repack_tied_head(worker.model_runner.get_model())
         else:
             worker.model_runner.model.load_weights(weights=named_tensors)
         return len(named_tensors)
@@ -94,6 +99,18 @@ class WeightLoaderExtension:
                 for part, piece in zip(packed[short], tensor.split(sizes), strict=True):
                     out.append((f"{parent}.{part}.{leaf}", piece.to("cpu", copy=True)))
         return out
+
+
+def _repack_tied_head(model: Any) -> None:
+    """A head tied to the input embeddings (Qwen2, Qwen3, Gemma...) shares its weight, but on
+    CPU its GEMM runs on a packed copy made at startup, which a reload of the embeddings leaves
+    stale: pack it again from the (new) shared weight."""
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _live_tensor(module: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:

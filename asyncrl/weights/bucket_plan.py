@@ -191,10 +191,13 @@ def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def params_from_module(module: torch.nn.Module) -> list[ParamSpec]:
-    """(name, shape, dtype) of `module.named_parameters()` (tied weights listed once)."""
+    """(name, shape, dtype) of `module.named_parameters()` (tied weights listed once) in the
+    checkpoint layout the actors load (asyncrl/weights/hf_layout.py: MoE experts one by one)."""
+    from asyncrl.weights.hf_layout import checkpoint_tensors
+
     return [
         (n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-        for n, p in module.named_parameters()
+        for n, p in checkpoint_tensors(module.named_parameters())
     ]
 
 

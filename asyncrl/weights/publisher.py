@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -88,7 +88,7 @@ class PublisherStats:
 @dataclass
 class _Job:
     policy_version: int
-    buffers: list[torch.Tensor]
+    buffers: Iterable[torch.Tensor]
     members: tuple[str, ...]
     snapshot_s: float
     ready: torch.cuda.Event | None
@@ -170,6 +170,28 @@ class WeightPublisher:
             self._queued = job
             self._cond.notify_all()
 
+    def publish_blocking(
+        self, policy_version: int, buckets: Iterator[torch.Tensor], members: Sequence[str]
+    ) -> PublishResult:
+        """Announce and broadcast `buckets` now, on the calling thread (a sharded learner's
+        path: its buckets are gathered from the shards as they are sent, never snapshot whole).
+
+        `buckets` is consumed to its end even when the broadcast fails: producing a bucket may
+        be a collective that the learner's other ranks take part in. Use either this or
+        `publish` on one publisher, not both.
+        """
+        if len(set(members)) != len(members):
+            raise ValueError(f"publish: duplicate actor ids in members {list(members)}")
+        job = _Job(policy_version, buckets, tuple(sorted(members)), 0.0, None)
+        try:
+            result = self._run(job)
+        finally:
+            for _ in buckets:  # the rest of the gathers, so that no rank waits for them
+                pass
+        with self._cond:
+            self._record(result)
+        return result
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or in flight; False if `timeout` (s) passed first."""
         with self._cond:
@@ -229,6 +251,7 @@ class WeightPublisher:
                 job, self._queued, self._busy = self._queued, None, True
             result = self._run(job)
             with self._cond:
+                assert isinstance(job.buffers, list)
                 self._free.append(job.buffers)
                 self._record(result)
                 self._busy = False

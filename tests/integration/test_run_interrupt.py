@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,7 +25,10 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_ctrl_c_stops_every_process(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the whole foreground group) and a scheduler's stop (SIGTERM to
+    `asyncrl run` alone) both stop every process by pid and leave a checkpoint."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
@@ -47,7 +52,10 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             time.sleep(0.5)
         pids = json.loads((run_dir / "pids.json").read_text())
         assert set(pids) == {"hub", "actor-0", "learner"}
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        if how == "ctrl_c":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        else:
+            proc.send_signal(signal.SIGTERM)  # the run process only: it must stop the rest
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

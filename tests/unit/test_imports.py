@@ -24,3 +24,19 @@ def test_core_and_replay_do_not_import_torch_or_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE, *MODULES], cwd=REPO, capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+RAY_PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "ray")))
+"""
+
+
+def test_ray_stays_optional() -> None:
+    """Every process role and the launcher module itself import Ray only when launching."""
+    roles = ["asyncrl.run", "actors.actor", "learner.loop", "replay.server", "tools.launch"]
+    out = subprocess.run([sys.executable, "-c", RAY_PROBE, *roles], cwd=REPO, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,0 +1,1 @@
+"""Operator tools over asyncrl runs (launch on a cluster); only the `asyncrl` CLI imports them."""
