@@ -17,7 +17,8 @@ The call's argument is the run of digits after the marker (``?7`` followed by an
 still looks up "7"). Reward (in [0, 1]): `CALL_CREDIT` for calling the lookup tool at all,
 `KEY_CREDIT` more for calling it with the prompt's key, plus the rest times the share of the
 value's digits the answer has in the right places (divided by the longer of answer and value,
-so padding never pays, as in the sort task). A model that never calls the tool scores only what
+so padding never pays, as in the sort task). The answer is the run of digits the model's final
+turn starts with (what follows it, up to the turn's token limit, is ignored). A model that never calls the tool scores only what
 guessing digits gives; the full reward needs the value. The call credits are the shaping that
 lets a random model discover the call.
 """
@@ -25,6 +26,7 @@ lets a random model discover the call.
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from actors.envs.base import Row
@@ -67,7 +69,7 @@ def lookup_reward(row: Row, answer: str, history: History) -> tuple[float, dict[
     key, value = str(row.info["key"]), str(row.answer)
     called = any(c.name == "lookup" for c, _ in history)
     right_key = any(c.name == "lookup" and c.arguments.get("key") == key for c, _ in history)
-    pred = answer.strip()
+    pred = re.match(r"\d*", answer.strip()).group()  # type: ignore[union-attr]
     length = max(len(pred), len(value), 1)
     position = sum(p == v for p, v in zip(pred, value, strict=False)) / length
     rest = 1.0 - CALL_CREDIT - KEY_CREDIT

@@ -249,6 +249,8 @@ def test_lookup_rewards_need_the_tools_answer() -> None:
     assert done.done and done.reward == pytest.approx(1.0)
     guess, _ = lookup_reward(row, value, [])  # right without looking: no call credits
     assert guess == pytest.approx(0.8)
+    assert lookup_reward(row, value + "?" + value, [])[0] == pytest.approx(0.8)  # leading digits
+    assert lookup_reward(row, value + value, [])[0] == pytest.approx(0.4)  # padding never pays
     wrong_key = next(k for k in row.info["table"] if k != key)
     env.reset(row, seed=0)
     env.step(f"?{wrong_key}")
