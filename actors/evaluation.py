@@ -1,17 +1,21 @@
-"""Evaluation by an actor: generate the held-out prompts at a known policy version and score them
-with the task's reward, outside the training stream (nothing here makes a Group or spends a
-credit).
+"""Evaluation by an actor: run the held-out prompts as episodes at a known policy version and
+score them with the task's reward (through the task's environment), outside the training stream
+(nothing here makes a Group or spends a credit).
 
 ```
-  hub ──EvalRequest──> [I/O thread] pending.append ──> actor loop, at a round boundary:
-        ActorEvaluator.poll(): weights >= request.policy_version? -> evaluate() -> EvalResult ──> hub
+  hub ──EvalRequest──> [I/O thread] pending.append ──> actor loop, between generation waves:
+        ActorEvaluator.poll(): weights >= request.policy_version?
+            -> evaluate(): EpisodeRunner of its own (make_env per episode, eval sampling)
+               advance() until every episode ended -> rewards, lengths, finish reasons
+            -> EvalResult ──> hub
 ```
 
 `evaluate` is also what `asyncrl eval CHECKPOINT` runs (tools/eval.py), on an engine loaded
-from the checkpoint: the same requests, the same seeds, the same scoring. Temperature 0 is
-greedy (a top-p nucleus of one token, so every engine can do it). An actor whose weights are
-older than the version asked for keeps the request until they arrive; the hub sends it to
-another actor if that takes longer than eval.timeout_s.
+from the checkpoint: the same requests, the same seeds, the same environments and scoring.
+Temperature 0 is greedy (a top-p nucleus of one token, so every engine can do it). An actor
+whose weights are older than the version asked for keeps the request until they arrive; the hub
+sends it to another actor if that takes longer than eval.timeout_s. The training episodes in
+flight simply wait while an evaluation runs (the weights do not change under either).
 """
 
 from __future__ import annotations
@@ -19,47 +23,45 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from actors.engines.base import Engine, GenerationRequest
+from actors.engines.base import Engine
+from actors.envs.base import Env
+from actors.envs.data import from_credit
+from actors.episodes import EpisodeLimits, EpisodeRunner
 from asyncrl.evaluation import sampling
 from asyncrl.protocol import EvalRequest, EvalResult
 
-Score = Callable[[str, str, dict[str, Any]], tuple[float, str]]
-"""(prompt, completion text, info) -> (reward, failure reason or "")."""
 
-
-def evaluate(engine: Engine, tokenizer: Any, score: Score, request: EvalRequest,
-             actor_id: str) -> EvalResult:  # fmt: skip
-    """Generate `num_samples` completions per held-out prompt with the engine's current weights
-    and score each one."""
+def evaluate(engine: Engine, tokenizer: Any, make_env: Callable[[], Env], request: EvalRequest,
+             actor_id: str, limits: EpisodeLimits, workers: int = 0) -> EvalResult:  # fmt: skip
+    """Run `num_samples` episodes per held-out prompt with the engine's current weights (the
+    task's environment scores each one) and summarize them prompt-major."""
     policy_version = engine.policy_version
     temperature, top_p = sampling(request.temperature)
-    eos = (int(tokenizer.eos_token_id),)
-    requests = [GenerationRequest(prompt_tokens=tokenizer(item.prompt)["input_ids"],
-                                  n=request.num_samples, temperature=temperature, top_p=top_p,
-                                  max_new_tokens=request.max_new_tokens, stop_token_ids=eos,
-                                  seed=item.seed) for item in request.items]  # fmt: skip
+    limits = replace(limits, temperature=temperature, top_p=top_p,
+                     max_new_tokens=request.max_new_tokens)  # fmt: skip
+    runner = EpisodeRunner(engine, tokenizer, make_env, limits, workers)
     start = time.perf_counter()
-    outputs = engine.generate(requests) if requests else []
+    try:
+        groups = [runner.start(i, from_credit(item.prompt_id, item.prompt, item.info), item.seed,
+                               request.num_samples) for i, item in enumerate(request.items)]  # fmt: skip
+        while runner.num_groups:
+            runner.advance()
+    finally:
+        runner.close()
     generate_s = time.perf_counter() - start
-    flat = [s for samples in outputs for s in samples]
-    texts = tokenizer.batch_decode([s.completion_tokens.tolist() for s in flat],
-                                   skip_special_tokens=False)  # fmt: skip
-    texts_iter = iter(texts)
-    rewards: list[float] = []
-    failed: list[str] = []
-    for item, samples in zip(request.items, outputs, strict=True):
-        for _ in samples:
-            reward, why = score(item.prompt, next(texts_iter), item.info)
-            rewards.append(reward)
-            failed.append(why)
+    episodes = [ep for group in groups for ep in group.episodes]
+    assert all(ep.max_version <= policy_version for ep in episodes), "weights changed mid-eval"
     return EvalResult(eval_id=request.eval_id, actor_id=actor_id, policy_version=policy_version,
                       requested_version=request.policy_version,
                       num_samples=request.num_samples, pass_threshold=request.pass_threshold,
-                      prompt_ids=[item.prompt_id for item in request.items], rewards=rewards,
-                      lengths=[len(s.completion_tokens) for s in flat],
-                      finish_reasons=[s.finish_reason for s in flat], reward_failed=failed,
+                      prompt_ids=[item.prompt_id for item in request.items],
+                      rewards=[float(ep.reward) for ep in episodes],
+                      lengths=[int(ep.trajectory()[1].sum()) for ep in episodes],
+                      finish_reasons=[ep.finish_reason for ep in episodes],
+                      reward_failed=[ep.reward_failed for ep in episodes],
                       generate_s=generate_s)  # fmt: skip
 
 
@@ -67,9 +69,9 @@ class ActorEvaluator:
     """Takes the hub's evaluation requests (on the connection's thread) and runs them on the
     actor's loop, between generation rounds."""
 
-    def __init__(self, actor: Any, score: Score) -> None:
+    def __init__(self, actor: Any, make_env: Callable[[], Env]) -> None:
         self.actor = actor
-        self.score = score
+        self.make_env = make_env
         self.pending: collections.deque[EvalRequest] = collections.deque()
         self.num_done = 0
         actor.conn.on(EvalRequest, self.pending.append)
@@ -83,19 +85,9 @@ class ActorEvaluator:
             if engine.policy_version < request.policy_version:
                 waiting.append(request)  # the weights asked for are still on their way
                 continue
-            result = evaluate(engine, self.actor.tokenizer, self.score, request,
-                              self.actor.actor_id)  # fmt: skip
+            result = evaluate(engine, self.actor.tokenizer, self.make_env, request,
+                              self.actor.actor_id, EpisodeLimits.from_config(self.actor.cfg),
+                              self.actor.cfg.actor.env_workers)  # fmt: skip
             self.actor.conn.send(result)
             self.num_done += 1
         self.pending.extendleft(reversed(waiting))
-
-
-def verifier_score(verifier: Any) -> Score:
-    """A `Score` from the actor's task verifier (actors/rewards: never raises)."""
-    from actors.rewards.base import safe_score
-
-    def score(prompt: str, completion: str, info: dict[str, Any]) -> tuple[float, str]:
-        result = safe_score(verifier, prompt, completion, info)
-        return result.reward, result.failed
-
-    return score

@@ -67,14 +67,13 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path, Path]:
 
 def held_out_request(cfg: RunConfig, run_dir: Path, policy_version: int) -> EvalRequest:
     """The hub's evaluation request for this run's held-out prompts."""
+    from actors.envs.registry import write_prompts
     from replay.evals import eval_items, held_out_split
     from replay.prompts import load_dataset
 
     dataset = Path(cfg.task.dataset) if cfg.task.dataset else run_dir / "prompts.jsonl"
-    if not dataset.is_file():
-        from actors.envs.sort_task import write_dataset
-
-        dataset = write_dataset(Path(tempfile.mkdtemp()) / "prompts.jsonl", cfg.task)
+    if not dataset.is_file() or cfg.task.name != _run_task(run_dir):  # another task's prompts
+        dataset = write_prompts(cfg.task, Path(tempfile.mkdtemp()) / "prompts.jsonl")
     if cfg.eval.every_versions == 0:
         print("asyncrl eval: this run did not evaluate (eval.every_versions = 0), so its "
               "held-out prompts were also trained on", file=sys.stderr)  # fmt: skip
@@ -86,22 +85,32 @@ def held_out_request(cfg: RunConfig, run_dir: Path, policy_version: int) -> Eval
                        pass_threshold=ev.pass_threshold)  # fmt: skip
 
 
+def _run_task(run_dir: Path) -> str:
+    """The task name the run in `run_dir` trained on ("" when unknown)."""
+    config = run_dir / "config.toml"
+    if not config.is_file():
+        return ""
+    return load_config(config).task.name
+
+
 def evaluate_checkpoint(cfg: RunConfig, ckpt: Path, run_dir: Path) -> dict[str, Any]:
     """Generate and score the held-out prompts with the checkpoint's weights."""
     from transformers import AutoTokenizer
 
     from actors.actor import build_engine
-    from actors.evaluation import evaluate, verifier_score
-    from actors.rewards.sort_verifier import make_verifier
+    from actors.envs.registry import env_factory
+    from actors.episodes import EpisodeLimits
+    from actors.evaluation import evaluate
 
     state = json.loads((ckpt / "state.json").read_text()) if (ckpt / "state.json").is_file() else {}
     policy_version = int(state.get("policy_version", -1))
+    make_env = env_factory(cfg.task)  # an unknown task fails before the engine loads
     request = held_out_request(cfg, run_dir, policy_version)
     engine = build_engine(cfg, ckpt, seed=cfg.eval.seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        result = evaluate(engine, tokenizer, verifier_score(make_verifier(cfg.task)), request,
-                          actor_id="offline")  # fmt: skip
+        result = evaluate(engine, tokenizer, lambda: make_env(cfg.task), request, "offline",
+                          EpisodeLimits.from_config(cfg), cfg.actor.env_workers)  # fmt: skip
     finally:
         engine.close()
     result = dataclasses.replace(result, policy_version=policy_version)
