@@ -67,6 +67,8 @@ ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s
                   "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
                   "credits_returned", "wait_weights_s")  # fmt: skip
 """Actor statistics that only grow (exported as Prometheus counters)."""
+COMPONENT_SKIP = frozenset({"tool_s", "tool_calls", "tool_errors", "malformed_calls"})
+"""Step-info numbers that are bookkeeping, not reward components."""
 
 
 class Actor:
@@ -272,7 +274,7 @@ class Actor:
         out = Group.build(
             group_id=group_id, prompt_id=credit.prompt_id, credit_id=credit.credit_id,
             actor_id=self.actor_id, seq=self.seq, trajectories=trajectories,
-            metadata={k: v for k, v in counts.items() if v},
+            metadata={**{k: v for k, v in counts.items() if v}, **reward_components(group)},
             timings={"generate_s": group.generate_s,
                      "env_s": sum(ep.env_s for ep in group.episodes)},
         )  # fmt: skip
@@ -298,6 +300,18 @@ class Actor:
         tool calls, finish reasons)."""
         finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
         return {**self.stats, **self.episodes.stats, **finish}
+
+
+def reward_components(group: EpisodeGroup) -> dict[str, Any]:
+    """`{"reward_components": {name: [one value per episode]}}` from the numbers the task's
+    verifier reported in each episode's last step (none: {}); the trajectory store keeps them."""
+    infos = [ep.last_step.info if ep.last_step else {} for ep in group.episodes]
+    names = sorted({k for info in infos for k, v in info.items() if k not in COMPONENT_SKIP
+                    and isinstance(v, int | float) and not isinstance(v, bool)})  # fmt: skip
+    if not names:
+        return {}
+    comps = {n: [float(info.get(n, float("nan"))) for info in infos] for n in names}
+    return {"reward_components": comps}
 
 
 def generation_request(

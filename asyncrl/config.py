@@ -459,7 +459,8 @@ class MetricsConfig:
     """Port of the learner's endpoint (rank 0)."""
     wandb_project: str = ""
     """Weights & Biases project the learner logs its step metrics and evaluations to; empty =
-    off. Needs the `wandb` package (the `wandb` extra); without it the run says so and goes on."""
+    off (then wandb is never imported). Needs the `wandb` package (the `wandb` extra): set
+    without it, the learner refuses to start, naming this key."""
     wandb_mode: Literal["online", "offline"] = "online"
     """`offline` keeps the W&B run on disk (`wandb sync` uploads it later)."""
 

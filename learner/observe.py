@@ -242,15 +242,16 @@ def _long(length: int, past: list[float], z: float) -> str:
 
 
 def start_wandb(cfg: Any, run_dir: Path) -> Any | None:
-    """A W&B run when metrics.wandb_project is set and wandb is installed, else None."""
+    """A W&B run when metrics.wandb_project is set, else None (wandb is not even imported).
+    Configured without the wandb package installed: `ValueError` saying how to get it."""
     if not cfg.metrics.wandb_project:
         return None
     try:
         import wandb
-    except ImportError:
-        print("learner: metrics.wandb_project is set but the wandb package is not installed "
-              "(pip install 'asyncrl[wandb]'); metrics go to metrics.jsonl and TensorBoard only",
-              flush=True)  # fmt: skip
-        return None
+    except ImportError as exc:
+        raise ValueError(
+            f"metrics.wandb_project: set to {cfg.metrics.wandb_project!r} but the wandb package "
+            "is not installed (pip install 'asyncrl[wandb]', or leave metrics.wandb_project empty)"
+        ) from exc
     return wandb.init(project=cfg.metrics.wandb_project, mode=cfg.metrics.wandb_mode,
                       dir=str(run_dir), name=run_dir.name, config=cfg.to_dict())  # fmt: skip
