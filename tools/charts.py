@@ -2,7 +2,7 @@
 
 `line_chart(chart_id, title, series, ...)` returns one `<svg>` element: axes with rounded ticks,
 one polyline per series (at most MAX_POINTS points each, evenly thinned), optional vertical
-markers (alarm steps) and a legend. Non-finite values break the line instead of bending it.
+markers (alarm steps) and a legend on the title's line. Non-finite values break the line instead of bending it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ MAX_POINTS = 800
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 WIDTH, HEIGHT = 520, 240
 LEFT, RIGHT, TOP, BOTTOM = 56, 12, 28, 36
+LEGEND_CHAR_PX = 6.2  # rough width of a legend character at the report's 11 px font
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,7 @@ def line_chart(chart_id: str, title: str, series: Sequence[Series], x_label: str
             parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}" '
                          f'stroke-width="{width}" stroke-opacity="{opacity}"/>')  # fmt: skip
             drawn += len(run)
-        parts.append(f'<text x="{WIDTH - RIGHT - 4}" y="{TOP + 14 + 14 * k}" text-anchor="end" '
-                     f'fill="{color}">{html.escape(s.label)}</text>')  # fmt: skip
+    parts += _legend(series)
     return (f'<svg id="{chart_id}" class="chart" data-points="{drawn}" width="{WIDTH}" '
             f'height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
             f'xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>')  # fmt: skip
@@ -112,3 +112,15 @@ def _runs(xs: Sequence[float], ys: Sequence[float]) -> list[list[tuple[float, fl
         elif runs[-1]:
             runs.append([])
     return [r for r in runs if r]
+
+
+def _legend(series: Sequence[Series]) -> list[str]:
+    """The series' labels in one row on the title's line, right-aligned (above the plot, so
+    they never hide a curve)."""
+    parts, x = [], WIDTH - RIGHT - 4
+    for k in reversed(range(len(series))):
+        label = series[k].label
+        parts.append(f'<text x="{x}" y="18" text-anchor="end" fill="{PALETTE[k % len(PALETTE)]}">'
+                     f"{html.escape(label)}</text>")  # fmt: skip
+        x -= int(LEGEND_CHAR_PX * len(label)) + 14
+    return parts

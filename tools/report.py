@@ -104,8 +104,11 @@ def curves(run: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
     evals = sorted(run["evals"], key=lambda e: e.get("policy_version", 0))
     versions = column(evals, "policy_version")
+    n = int(evals[-1].get("num_samples", 1)) if evals else 1
     eval_series = [Series("held-out reward", versions, column(evals, "reward_mean")),
                    Series("pass@1", versions, column(evals, "pass@1"))]  # fmt: skip
+    if n > 1:
+        eval_series.append(Series(f"pass@{n}", versions, column(evals, f"pass@{n}")))
     charts.append(line_chart("chart-eval", "evaluation (held-out prompts)", eval_series,
                              x_label="policy version", marks=marks))  # fmt: skip
     return charts
