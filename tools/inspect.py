@@ -153,10 +153,11 @@ def show(record: dict[str, Any], decode: Callable[[Sequence[int]], str]) -> str:
         head += ["", f"[{who}] " + decode(tokens[plen + a : plen + b])]
         lines = []
         for k in range(a, b):
+            model = bool(r["loss_mask"][k])  # environment tokens have no behaviour logprob
             weight = math.exp(learner[k] - behaviour[k]) if np.isfinite(learner[k]) else math.nan
             lines.append([str(k), str(int(tokens[plen + k])), repr(decode([tokens[plen + k]])),
-                          str(int(r["loss_mask"][k])), f"{behaviour[k]:.4f}",
-                          f"{learner[k]:.4f}", f"{weight:.4f}"])  # fmt: skip
+                          str(int(r["loss_mask"][k])), f"{behaviour[k]:.4f}" if model else "-",
+                          f"{learner[k]:.4f}", f"{weight:.4f}" if model else "-"])  # fmt: skip
         header = [("pos", 3), ("id", 5), ("text", 6), ("mask", 4), ("behaviour lp", 12),
                   ("learner lp", 10), ("IS weight", 9)]  # fmt: skip
         head.append(format_table(header, lines))

@@ -150,8 +150,11 @@ def trajectory_html(
     for who, a, b in turns(r):
         for k in range(a, b):
             lp, mu = float(r["learner_logprobs"][k]), float(r["behavior_logprobs"][k])
-            w = math.exp(lp - mu) if math.isfinite(lp) else math.nan
-            tip = f"behaviour lp {mu:.4f}, learner lp {lp:.4f}, IS weight {w:.4f}, mask {int(r['loss_mask'][k])}"
+            if who == "model":
+                w = math.exp(lp - mu) if math.isfinite(lp) else math.nan
+                tip = f"behaviour lp {mu:.4f}, learner lp {lp:.4f}, IS weight {w:.4f}, mask 1"
+            else:  # inserted by the environment: not sampled, no behaviour logprob
+                w, tip = math.nan, f"environment token, learner lp {lp:.4f}, mask 0"
             cls = "tok" if who == "model" else "tok env"
             text = html.escape(decode([tokens[plen + k]]))
             spans.append(f'<span class="{cls}" style="background:{weight_color(w)}" '
