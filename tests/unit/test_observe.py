@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import TrajectoriesConfig
 from asyncrl.protocol import Group, Trajectory
 from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table, load_table
-from learner.observe import start_wandb
+from learner.observe import component_means, start_wandb
 from tools.inspect import show, turns
 
 
@@ -62,3 +62,25 @@ def test_multi_turn_trajectory_round_trips_and_shows_turn_by_turn(tmp_path: Path
     assert "[model] <12>" in text and "reward components: multiset 1, position 0.5" in text
     assert f"{np.exp(-1.5 + 1.0):.4f}" in text  # the first token's IS weight π/μ
     assert "staleness 2" in text and "task lookup" in text
+
+
+def test_component_means_feed_the_saturation_alarm() -> None:
+    group = multi_turn_group()
+    other = Group.build(group_id="a/1", prompt_id="p-2", credit_id=8, actor_id="a", seq=1,
+                        trajectories=group.trajectories(),
+                        metadata={"reward_components": {"position": [1.0]}})  # fmt: skip
+    assert component_means([group, other]) == {"reward/multiset": 1.0, "reward/position": 0.75}
+
+
+def test_sample_stays_bounded_and_spread_over_the_run(tmp_path: Path) -> None:
+    cfg = TrajectoriesConfig(sample_every_steps=2, max_sampled_steps=4, max_flagged=3)
+    writer = TrajectoryWriter(tmp_path, cfg, {"tokenizer_dir": ""})
+    table = build_table(0, [multi_turn_group()], [Kept(0, 0, "sample")], {})
+    for step in range(1, 65):  # as the learner does: a sample on every due step
+        if writer.sample_due(step):
+            writer.write_sample(step, {**table, "step": np.array([step])})
+    steps = sorted(int(s) for s in load_table(tmp_path)["step"])
+    stride = writer.meta["stride"]
+    assert len(steps) <= 4 and stride == 8  # 32 due steps at stride 1 -> 4 at stride 8
+    assert steps == [16, 32, 48, 64]  # spread evenly over the whole run
+    assert writer.room(5) == 3 and writer.meta["flagged_dropped"] == 2
