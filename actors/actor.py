@@ -299,7 +299,9 @@ class Actor:
         """The actor's counters with its episodes' (rounds, generate_s, env and tool time,
         tool calls, finish reasons)."""
         finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
-        return {**self.stats, **self.episodes.stats, **finish}
+        inflight = {k: getattr(self.engine, k) for k in ("inflight_updates", "inflight_recompute_s")
+                    if hasattr(self.engine, k)}  # fmt: skip
+        return {**self.stats, **self.episodes.stats, **finish, **inflight}
 
 
 def generation_request(
