@@ -15,7 +15,8 @@ from the checkpoint: the same requests, the same seeds, the same environments an
 Temperature 0 is greedy (a top-p nucleus of one token, so every engine can do it). An actor
 whose weights are older than the version asked for keeps the request until they arrive; the hub
 sends it to another actor if that takes longer than eval.timeout_s. The training episodes in
-flight simply wait while an evaluation runs (the weights do not change under either).
+flight simply wait while an evaluation runs, and in-flight weight updates (actor.weight_update
+= in_flight) are held off until it ends: every evaluated sample has the one version logged.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def evaluate(engine: Engine, tokenizer: Any, make_env: Callable[[], Env], reques
                      max_new_tokens=request.max_new_tokens)  # fmt: skip
     runner = EpisodeRunner(engine, tokenizer, make_env, limits, workers)
     start = time.perf_counter()
+    in_flight = getattr(engine, "between_steps", None)
+    if in_flight is not None:
+        engine.between_steps = None  # type: ignore[attr-defined]  # one version for the eval
     try:
         groups = [runner.start(i, from_credit(item.prompt_id, item.prompt, item.info), item.seed,
                                request.num_samples) for i, item in enumerate(request.items)]  # fmt: skip
@@ -51,6 +55,8 @@ def evaluate(engine: Engine, tokenizer: Any, make_env: Callable[[], Env], reques
             runner.advance()
     finally:
         runner.close()
+        if in_flight is not None:
+            engine.between_steps = in_flight  # type: ignore[attr-defined]
     generate_s = time.perf_counter() - start
     episodes = [ep for group in groups for ep in group.episodes]
     assert all(ep.max_version <= policy_version for ep in episodes), "weights changed mid-eval"
