@@ -28,7 +28,7 @@ from actors.sandbox.pool import Sandbox, SandboxLimits
 
 VerdictStatus = Literal["passed", "failed", "timeout", "verifier_error"]
 
-CODEC = r'''
+CODEC = r"""
 import json, math
 
 def encode(x, depth=0):
@@ -71,7 +71,7 @@ def decode(x):
     if tag not in kinds:
         raise ValueError("malformed value")
     return kinds[tag](items)
-'''
+"""
 
 CANDIDATE = (
     CODEC

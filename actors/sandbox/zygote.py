@@ -1,4 +1,4 @@
-"""The sandbox worker: an isolated, pre-started process that forks one fresh jail per execution.
+r"""The sandbox worker: an isolated, pre-started process that forks one fresh jail per execution.
 
 Run as a script (`python -I -S zygote.py`, standard library only) by `actors/sandbox/pool.py`.
 At start it enters its own network namespace (no interfaces up, loopback included) and mount
@@ -353,6 +353,8 @@ def finish(tree: Tree) -> dict:
 def classify(tree: Tree, status: int | None, result: dict) -> str:
     if tree.reason in ("timeout", "output_limit"):
         return tree.reason
+    if tree.reason == "done" and (status is None or os.WIFSIGNALED(status)):
+        return "ok"  # ended by the worker because its judge had finished
     if status is None:
         return "killed"
     if os.WIFSIGNALED(status):
