@@ -15,6 +15,7 @@ may call it at once. Isolation that cannot be made here is refused with the reas
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import queue
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,6 +36,7 @@ from typing import Any, Literal
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 CGROUP_PIDS = Path("/sys/fs/cgroup/pids")
+_SERIALS = itertools.count()
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
 
 
@@ -130,10 +133,11 @@ class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
         self.root = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
-        self.uid = 1_000_000 + (os.getpid() % 100_000) * 256 + index * 2
+        serial = next(_SERIALS)  # unique in this process: uid pair and cgroup of its own
+        self.uid = 1_000_000 + ((os.getpid() % 100_000) * 1024 + serial % 1024) * 2
         self.cgroup: str | None = None
         if os.access(CGROUP_PIDS, os.W_OK):
-            path = CGROUP_PIDS / f"asyncrl-sandbox-{os.getpid()}-{index}"
+            path = CGROUP_PIDS / f"asyncrl-sandbox-{os.getpid()}-{serial}"
             path.mkdir(exist_ok=True)
             self.cgroup = str(path)
         self.proc: subprocess.Popen | None = None
@@ -204,11 +208,14 @@ class _Worker:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
-        if self.cgroup:
+        for _ in range(50 if self.cgroup else 0):
             try:
                 os.rmdir(self.cgroup)
-            except OSError:
-                pass  # a process still leaving; the kernel frees an empty cgroup dir later
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY: a killed run's processes are still leaving
+                time.sleep(0.02)
 
 
 class Sandbox:
@@ -225,6 +232,7 @@ class Sandbox:
         self._workers = [_Worker(i) for i in range(num_workers)]
         self._lock = threading.Lock()
         self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._workers)
         try:
             for worker in self._workers:
                 worker.start()
@@ -288,14 +296,18 @@ class Sandbox:
         """Stop every worker and remove its files."""
         with self._lock:
             self._closed = True
-            for worker in self._workers:
-                worker.close()
+            self._finalizer()
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.close()
 
 
 def _checked_files(files: Mapping[str, str] | None) -> dict[str, str]:
