@@ -31,6 +31,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -145,52 +146,98 @@ class Tree:
         return len(self.streams[self.out_r]) + len(self.streams[self.err_r])
 
 
-def launch(prog: dict, blob: bytearray, extra_fds: dict, uid: int, cgroup: str | None) -> Tree:
-    """Fork A -> B -> C for one program; returns once B's pid is known."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    st_r, st_w = os.pipe()
-    pid_r, pid_w = os.pipe()
-    a_pid = os.fork()
-    if a_pid == 0:
-        code = 0
+class Jail:
+    """A pre-forked execution: B (pid 1 of a fresh pid ns, /proc mounted) waits for its job."""
+
+    def __init__(self, cgroup: str | None, root: str) -> None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        st_r, st_w = os.pipe()
+        pid_r, pid_w = os.pipe()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.a_pid = os.fork()
+        if self.a_pid == 0:
+            mine.close()
+            fork_init(cgroup, root, theirs.fileno(), (out_w, err_w, st_w), pid_w)
+        for fd in (out_w, err_w, st_w, pid_w):
+            os.close(fd)
+        theirs.close()
+        self.sock, self.pid_r = mine, pid_r
+        self.out_r, self.err_r, self.st_r = out_r, err_r, st_r
+
+    def start(self, prog: dict, blob: bytearray, extra_fds: dict, uid: int) -> Tree:
+        """Hand B its program; the running tree."""
+        raw = os.read(self.pid_r, 32)
         try:
-            keep_only({out_w, err_w, st_w, pid_w, *extra_fds.values()})
-            if cgroup:
-                with open(cgroup + "/cgroup.procs", "w") as f:
-                    f.write("0")
-            _unshare(CLONE_NEWPID | CLONE_NEWNS, "pid+mount")
-            b_pid = os.fork()
-            if b_pid == 0:
-                os.close(pid_w)
-                init_main(prog, blob, (out_w, err_w, st_w), extra_fds, uid)
-            os.write(pid_w, str(b_pid).encode())
-        except BaseException as exc:  # report, never hang the zygote
-            os.write(st_w, json.dumps({"setup_error": repr(exc)}).encode())
-            code = 1
-        os._exit(code)
-    for fd in (out_w, err_w, st_w, pid_w):
-        os.close(fd)
-    os.waitpid(a_pid, 0)
-    raw = os.read(pid_r, 32)
-    os.close(pid_r)
-    tree = Tree(int(raw) if raw else -1, out_r, err_r, st_r, prog["limits"])
-    return tree
+            os.waitpid(self.a_pid, 0)
+        except ChildProcessError:
+            pass  # already reaped with the orphans of an earlier job
+        os.close(self.pid_r)
+        tree = Tree(int(raw) if raw else -1, self.out_r, self.err_r, self.st_r, prog["limits"])
+        header = {"limits": prog["limits"], "uid": uid, "blob_bytes": len(blob)}
+        header["targets"] = list(extra_fds)
+        try:
+            socket.send_fds(self.sock, [json.dumps(header).encode()], list(extra_fds.values()))
+            view = memoryview(blob)
+            for offset in range(0, len(blob), 32768):
+                self.sock.send(view[offset : offset + 32768])
+        except OSError:
+            tree.kill("killed")  # B is gone; its status pipe reports a setup error
+        self.sock.close()
+        return tree
 
 
-def init_main(prog: dict, blob: bytearray, pipes: tuple, extra_fds: dict, uid: int) -> None:
-    """B: pid 1 of the execution's pid namespace. Prepares /tmp and /proc, runs C, reaps all."""
+def fork_init(cgroup: str | None, root: str, sock_fd: int, pipes: tuple, pid_w: int) -> None:
+    """A: join the pids cgroup, unshare pid+mount ns, fork B, report B's pid; never returns."""
+    code = 0
+    try:
+        keep_only({sock_fd, pid_w, *pipes})
+        if cgroup:
+            with open(cgroup + "/cgroup.procs", "w") as f:
+                f.write("0")
+        _unshare(CLONE_NEWPID | CLONE_NEWNS, "pid+mount")
+        b_pid = os.fork()
+        if b_pid == 0:
+            os.close(pid_w)
+            init_main(root, sock_fd, pipes)
+        os.write(pid_w, str(b_pid).encode())
+    except BaseException as exc:  # report, never hang the zygote
+        os.write(pipes[2], json.dumps({"setup_error": repr(exc)}).encode())
+        code = 1
+    os._exit(code)
+
+
+def receive_job(sock_fd: int) -> tuple[dict, bytearray, dict]:
+    """B: the job header, the program blob and the descriptors passed along."""
+    sock = socket.socket(fileno=sock_fd)
+    raw, fds, _, _ = socket.recv_fds(sock, 65536, 8)
+    if not raw:
+        os._exit(0)  # the worker is shutting down
+    header = json.loads(raw)
+    blob = bytearray()
+    while len(blob) < header["blob_bytes"]:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise EOFError("job blob cut short")
+        blob += chunk
+    sock.close()
+    return header, blob, dict(zip(header["targets"], fds, strict=True))
+
+
+def init_main(root: str, sock_fd: int, pipes: tuple) -> None:
+    """B: pid 1 of the execution's pid namespace. Waits for its job, runs C, reaps all."""
     out_w, err_w, st_w = pipes
     report = {}
     try:
-        root, limits = prog["root"], prog["limits"]
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        header, blob, extra_fds = receive_job(sock_fd)
+        limits, uid = header["limits"], header["uid"]
         job = json.loads(bytes(blob))
         blob[:] = bytes(len(blob))
         work = root + "/tmp"
         size_mb = max(4 * limits["max_file_mb"], 16)
         _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0700")
         os.chown(work, uid, uid)
-        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         for name, text in (job.get("files") or {}).items():
             path = os.path.normpath(os.path.join(work, name))
             assert path.startswith(work + "/"), f"file name leaves the sandbox dir: {name!r}"
@@ -205,10 +252,23 @@ def init_main(prog: dict, blob: bytearray, pipes: tuple, extra_fds: dict, uid: i
         if c_pid == 0:
             runner_main(job["code"], root, limits, uid, [stdin_fd, out_w, err_w], extra_fds)
         report = reap_until(c_pid)
+        try:
+            os.kill(-1, signal.SIGKILL)  # whatever C left behind, before the run is reported
+        except ProcessLookupError:
+            pass  # nothing was left
+        reap_all()
     except BaseException as exc:  # report, never hang the zygote
         report = {"setup_error": repr(exc)}
     os.write(st_w, json.dumps(report).encode())
     os._exit(0)
+
+
+def reap_all() -> None:
+    while True:
+        try:
+            os.wait4(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def reap_until(c_pid: int) -> dict:
@@ -381,10 +441,10 @@ def run_job(header: dict, config: dict) -> dict:
     trees = []
     for index, prog in enumerate(progs):
         blob = _read_exact(0, prog["blob_bytes"])
-        prog = dict(prog, root=config["root"])
         set_pids_max(config, prog["limits"]["max_procs"] * len(progs))
+        jail = WARM.pop(0) if WARM else Jail(config["cgroup"], config["root"])
         uid = config["uid"] + index
-        trees.append(launch(prog, blob, links[index] if links else {}, uid, config["cgroup"]))
+        trees.append(jail.start(prog, blob, links[index] if links else {}, uid))
         blob[:] = bytes(len(blob))
     for fd in (fd for link in links for fd in link.values()):
         os.close(fd)
@@ -393,6 +453,10 @@ def run_job(header: dict, config: dict) -> dict:
     results = [finish(tree) for tree in trees]
     reap_orphans()
     return {"results": results, "verdict": verdict.decode("utf-8", "replace")}
+
+
+WARM: list[Jail] = []
+"""Jails forked ahead of the next job (as many as the last job had programs)."""
 
 
 def set_pids_max(config: dict, count: int) -> None:
@@ -418,6 +482,7 @@ def main() -> None:
     except OSError as exc:
         write_message(1, {"error": f"sandbox isolation failed: {exc}"})
         return
+    WARM.append(Jail(config["cgroup"], config["root"]))
     write_message(1, {"ready": True})
     while True:
         try:
@@ -425,6 +490,8 @@ def main() -> None:
         except EOFError:
             return
         write_message(1, run_job(header, config))
+        while len(WARM) < len(header["programs"]):
+            WARM.append(Jail(config["cgroup"], config["root"]))
 
 
 if __name__ == "__main__":
