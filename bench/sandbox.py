@@ -63,6 +63,7 @@ def fork_exec(code: str) -> None:
     pid = os.fork()
     if pid == 0:
         try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             exec(compile(code, "<bench>", "exec"), {"__name__": "__main__"})
         finally:
             os._exit(0)
@@ -104,7 +105,9 @@ def contenders(sandbox: Sandbox, workers: int) -> dict[str, tuple[Callable[[int]
         "fork_no_isolation_trivial": (lambda i: fork_exec("print(1)"), 1),
         "pool_humaneval": (pool_he, 1),
         "bare_spawn_humaneval": (
-            lambda i: subprocess.run([sys.executable, "-c", full[i % len(full)]], check=True),
+            lambda i: subprocess.run(
+                [sys.executable, "-c", full[i % len(full)]], check=True, stdout=subprocess.DEVNULL
+            ),
             1,
         ),
         "pool_trivial_concurrent": (pool_trivial, workers),

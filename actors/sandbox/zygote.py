@@ -363,6 +363,8 @@ def supervise(trees: list, verdict_fd: int | None, deadline: float) -> bytearray
             timeout = 5.0
         ready, _, _ = select.select(list(fds), [], [], timeout)
         for fd in ready:
+            if fd not in fds:
+                continue  # closed above in this round
             data = os.read(fd, 65536)
             tree = fds[fd]
             if not data:
@@ -373,6 +375,9 @@ def supervise(trees: list, verdict_fd: int | None, deadline: float) -> bytearray
                     if tree is trees[-1]:  # the last program (a pair's judge) ends the job
                         for other in trees[:-1]:
                             other.kill("done")
+                            for gone in [f for f in fds if fds[f] is other]:
+                                os.close(gone)  # no need to wait for its namespace to end
+                                del fds[gone]
                 continue
             if tree is None:
                 verdict += data[: 65536 - len(verdict)]
@@ -385,13 +390,14 @@ def supervise(trees: list, verdict_fd: int | None, deadline: float) -> bytearray
 
 def finish(tree: Tree) -> dict:
     """Reap B and turn what the tree reported into an ExecResult-shaped dict."""
-    if tree.b_pid > 0:
-        os.waitpid(tree.b_pid, 0)
+    report = json.loads(bytes(tree.streams[tree.status_r]) or b"{}")
+    if tree.b_pid > 0 and not report and tree.reason != "done":
+        os.waitpid(tree.b_pid, 0)  # killed: its pid namespace is gone once B is reaped
+    # (B that reported had already killed and reaped everything; it is reaped later)
     end = tree.end or time.monotonic()
     limit = tree.limits["max_output_bytes"]
     stdout = bytes(tree.streams[tree.out_r][:limit])
     stderr = bytes(tree.streams[tree.err_r][: max(0, limit - len(stdout))])
-    report = json.loads(bytes(tree.streams[tree.status_r]) or b"{}")
     result = {
         "stdout": stdout.decode("utf-8", "replace"),
         "stderr": stderr.decode("utf-8", "replace"),
