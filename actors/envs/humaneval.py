@@ -17,32 +17,18 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import threading
 from importlib import resources
 from typing import Any
 
 from actors.envs.base import Observation, Row, Step
 from actors.sandbox.code_check import check_program
-from actors.sandbox.pool import Sandbox, SandboxError
+from actors.sandbox.pool import Sandbox, SandboxError, shared_pool
 from asyncrl.config import TaskConfig
 
 TIMEOUT_S = 10.0
 """Wall-clock limit of one problem's tests (the candidate and the tests together)."""
 STOP_MARKERS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 """Where a completion's function body ends (the usual HumanEval stop sequences)."""
-
-_POOL: Sandbox | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def shared_sandbox() -> Sandbox:
-    """The process-wide sandbox pool (created on first use, one worker per CPU, at most 8)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = Sandbox(num_workers=min(8, os.cpu_count() or 2))
-        return _POOL
 
 
 def load_problems() -> list[dict[str, Any]]:
@@ -107,7 +93,7 @@ class HumanEvalEnv:
         info: dict[str, Any] = {"task_id": row.prompt_id}
         try:
             verdict = check_program(
-                self._sandbox or shared_sandbox(),
+                self._sandbox or shared_pool(),
                 prompt=row.prompt or "",
                 completion=body,
                 test=row.tests["test"],

@@ -9,6 +9,14 @@ from actors.sandbox.pool import (
     SandboxError,
     SandboxLimits,
     isolation_problem,
+    shared_pool,
 )
 
-__all__ = ["ExecResult", "Sandbox", "SandboxError", "SandboxLimits", "isolation_problem"]
+__all__ = [
+    "ExecResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "isolation_problem",
+    "shared_pool",
+]

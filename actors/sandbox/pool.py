@@ -305,6 +305,20 @@ class Sandbox:
         self.close()
 
 
+_SHARED: Sandbox | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool() -> Sandbox:
+    """The process-wide pool (created on first use: one worker per CPU, at most 8; closed at
+    exit). Environments and tools share it so a process pays for its workers once."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = Sandbox(num_workers=min(8, os.cpu_count() or 2))
+        return _SHARED
+
+
 def _close_all(workers: list[_Worker]) -> None:
     for worker in workers:
         worker.close()
