@@ -1,8 +1,9 @@
 """`asyncrl score --task NAME --row ROW.json --completion FILE`: score one completion by hand.
 
-Uses exactly the actor's path for single-turn tasks: the task module's `make_env`, then
-`reset(row, seed=0)` and `step(completion)` (the sandbox included for code tasks). The row is
-read by the task module's `row_from_json` (for humaneval: the package's own problem object).
+Uses exactly the actor's path for single-turn tasks: the task registry's `make_env` (a built-in
+name), then `reset(row, seed=0)` and `step(completion)` (the sandbox included for code tasks).
+The row is read by the task module's `row_from_json` when it has one (for humaneval: the
+package's own problem object), else as one row of a JSONL task file (`actors/envs/data.py`).
 Prints one JSON object: `reward` at the top level, then `done`, `finish_reason` and the
 environment's details (`info`, with `reward_failed` when the verifier itself failed).
 """
@@ -17,48 +18,38 @@ from pathlib import Path
 from typing import Any
 
 from actors.envs.base import Row
+from actors.envs.data import from_credit, parse_row, to_record
+from actors.envs.registry import env_factory, task_target
 from asyncrl.config import TaskConfig
 
 
-def load_task(name: str) -> Any:
-    """The task's module (`actors.envs.<name>`); it must offer make_env and row_from_json."""
-    if not name.isidentifier():
-        raise ValueError(f"--task: not a task name: {name!r}")
-    try:
-        module = importlib.import_module(f"actors.envs.{name}")
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"--task: no task module actors.envs.{name}") from exc
-    if not hasattr(module, "make_env"):
-        raise ValueError(f"--task: actors.envs.{name} has no make_env")
-    return module
+def task_module(task: TaskConfig) -> Any:
+    """The module of the task's `make_env` (from the task registry)."""
+    return importlib.import_module(task_target(task).partition(":")[0])
 
 
-def row_from(module: Any, obj: Any) -> Row:
-    """A Row from JSON: the task's own parser, else the generic row fields."""
+def row_from(module: Any, obj: Any, where: str) -> Row:
+    """A Row from JSON: the task's own `row_from_json`, else the generic JSONL row format."""
     if not isinstance(obj, dict):
-        raise ValueError("--row: must hold one JSON object")
+        raise ValueError(f"{where}: must hold one JSON object")
     if hasattr(module, "row_from_json"):
         return module.row_from_json(obj)
-    unknown = set(obj) - {"prompt_id", "prompt", "answer", "tests", "info"}
-    if unknown or "prompt" not in obj:
-        raise ValueError(f"--row: expected prompt/answer/tests/info, got {sorted(obj)}")
-    return Row(
-        prompt_id=str(obj.get("prompt_id", "row")),
-        **{k: v for k, v in obj.items() if k != "prompt_id"},
-    )
+    return parse_row(json.dumps(obj), default_id="row", where=where)
 
 
-def score(task: str, row_obj: dict[str, Any], completion: str) -> dict[str, Any]:
+def score(task_name: str, row_obj: Any, completion: str, where: str = "row") -> dict[str, Any]:
     """Reset the task's environment on the row, step it with the completion, report."""
-    module = load_task(task)
-    env = module.make_env(TaskConfig())
-    env.reset(row_from(module, row_obj), seed=0)
+    task = TaskConfig(name=task_name)
+    make_env = env_factory(task)
+    env = make_env(task)
+    row = row_from(task_module(task), row_obj, where)
+    env.reset(from_credit(**to_record(row)), seed=0)  # the row as an actor gets it from the hub
     step = env.step(completion)
     if not step.done:
-        raise ValueError(f"--task: {task} is multi-turn; score scores single-turn tasks only")
+        raise ValueError(f"--task: {task_name} is multi-turn; score takes single-turn tasks only")
     return {
         "reward": step.reward,
-        "task": task,
+        "task": task_name,
         "done": step.done,
         "finish_reason": step.finish_reason,
         "info": step.info,
@@ -75,7 +66,7 @@ def main(argv: list[str]) -> int:
     try:
         row_obj = json.loads(args.row.read_text())
         completion = args.completion.read_text()
-        report = score(args.task, row_obj, completion)
+        report = score(args.task, row_obj, completion, where=str(args.row))
     except (ValueError, OSError) as exc:
         print(f"asyncrl score: {exc}", file=sys.stderr)
         return 2

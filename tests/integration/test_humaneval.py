@@ -69,3 +69,28 @@ def test_score_command_uses_the_task_path(tmp_path: Path) -> None:
     assert results["right"]["reward"] == 1.0 and results["right"]["info"]["status"] == "passed"
     assert results["hack"]["reward"] == 0.0 and results["hack"]["info"]["status"] == "failed"
     assert results["right"]["info"]["task_id"] == problem["task_id"]
+
+
+def test_score_command_reads_generic_rows_too(tmp_path: Path) -> None:
+    row, completion = tmp_path / "row.json", tmp_path / "completion.txt"
+    row.write_text(json.dumps({"prompt": "3141:", "answer": "1134"}))
+    completion.write_text("1134")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "score",
+            "--task",
+            "sort",
+            "--row",
+            str(row),
+            "--completion",
+            str(completion),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    assert report["reward"] == 1.0 and report["info"]["pred"] == "1134"
