@@ -19,6 +19,9 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUTS = 0x04000000
+PR_SET_NO_NEW_PRIVS = 38
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_CHILD_SUBREAPER = 36
@@ -44,7 +47,7 @@ def _unshare(flags: int, what: str) -> None:
 
 def setup(config: dict) -> None:
     """Enter the worker's namespaces and build the read-only root under config["root"]."""
-    _unshare(CLONE_NEWNS | CLONE_NEWNET, "net+mount")
+    _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS, "net+mount+uts")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = config["root"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -88,7 +91,7 @@ def fork_init(cgroup: str | None, root: str, sock_fd: int, pipes: tuple, pid_w: 
         if cgroup:
             with open(cgroup + "/cgroup.procs", "w") as f:
                 f.write("0")
-        _unshare(CLONE_NEWPID | CLONE_NEWNS, "pid+mount")
+        _unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC, "pid+mount+ipc")
         b_pid = os.fork()
         if b_pid == 0:
             os.close(pid_w)
@@ -191,6 +194,7 @@ def runner_main(code: str, root: str, limits: dict, uid: int, stdio: list, extra
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        _libc_call(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
         os.umask(0o077)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})

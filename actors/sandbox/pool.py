@@ -103,8 +103,8 @@ def isolation_problem() -> str | None:
     probe = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "if libc.unshare(0x20000000 | 0x40000000 | 0x00020000) != 0:\n"
-        "    raise SystemExit('unshare(pid+net+mount): ' + os.strerror(ctypes.get_errno()))\n"
+        "if libc.unshare(0x20000000 | 0x40000000 | 0x00020000 | 0x08000000 | 0x04000000):\n"
+        "    raise SystemExit('unshare(pid+net+mount+ipc+uts): ' + os.strerror(ctypes.get_errno()))\n"
     )
     done = subprocess.run(
         [sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, env={}

@@ -222,7 +222,8 @@ def test_daemon_left_behind_is_gone_after_the_run(sandbox: Sandbox) -> None:
 def test_a_run_after_a_hostile_run_is_clean() -> None:
     with Sandbox(num_workers=1) as single:
         hostile = (
-            "import builtins, sys\n"
+            "import builtins, ctypes, sys\n"
+            "assert ctypes.CDLL(None).shmget(4242, 4096, 0o1666) >= 0  # SysV shm: IPC_CREAT\n"
             "open('/tmp/left.txt', 'w').write('x')\n"
             "builtins.LEFT = 1\n"
             "sys.modules['left_module'] = sys\n"
@@ -230,11 +231,11 @@ def test_a_run_after_a_hostile_run_is_clean() -> None:
         )
         assert single.run(hostile).status == "ok"
         probe = (
-            "import builtins, os, sys\n"
+            "import builtins, ctypes, os, sys\n"
             "print(os.listdir('/tmp'), hasattr(builtins, 'LEFT'), 'left_module' in sys.modules,\n"
-            "      sys.getrecursionlimit() > 50)\n"
+            "      sys.getrecursionlimit() > 50, ctypes.CDLL(None).shmget(4242, 0, 0))\n"
         )
-        assert single.run(probe).stdout == "[] False False True\n"
+        assert single.run(probe).stdout == "[] False False True -1\n"
 
 
 def test_concurrent_runs_from_threads(sandbox: Sandbox) -> None:
