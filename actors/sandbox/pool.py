@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,6 +189,9 @@ class _Worker:
         blobs = [json.dumps(p).encode() for p in programs]
         header = {"programs": [{"limits": asdict(limits), "blob_bytes": len(b)} for b in blobs]}
         try:
+            if self.proc is None:  # stopped after a failure: start afresh
+                self.start()
+                self.wait_ready()
             self._send(header, blobs)
             return self._receive(time.monotonic() + limits.timeout_s + 30.0)
         except (OSError, SandboxError) as exc:
@@ -277,20 +280,12 @@ class Sandbox:
         worker = self._idle.get()
         try:
             reply = worker.job(programs, limits)
-        except SandboxError:
-            self._restart(worker)
-            raise
         finally:
-            self._idle.put(worker)
+            self._idle.put(worker)  # a failed worker is stopped; its next job restarts it
         for result in reply["results"]:
             if result["status"] == "setup_error":
                 raise SandboxError(f"sandbox could not set up a run: {result['stderr']}")
         return reply
-
-    def _restart(self, worker: _Worker) -> None:
-        if not self._closed:
-            worker.start()
-            worker.wait_ready()
 
     def close(self) -> None:
         """Stop every worker and remove its files."""
@@ -336,8 +331,3 @@ def _checked_files(files: Mapping[str, str] | None) -> dict[str, str]:
 
 def _result(raw: dict) -> ExecResult:
     return ExecResult(**{k: raw[k] for k in ExecResult.__dataclass_fields__})
-
-
-def with_limits(limits: SandboxLimits, **changes: Any) -> SandboxLimits:
-    """`limits` with some fields changed (validated again)."""
-    return replace(limits, **changes)
