@@ -204,8 +204,11 @@ class _Worker:
         if self.proc is not None:
             self.proc.wait()
             for pipe in (self.proc.stdin, self.proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+                try:
+                    if pipe is not None:
+                        pipe.close()
+                except OSError:  # unsent job bytes of a dead worker
+                    pass
         self.proc = None
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sandbox import Sandbox, SandboxLimits, isolation_problem
+from actors.sandbox import Sandbox, SandboxError, SandboxLimits, isolation_problem
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-not-for-the-sandbox"
@@ -313,3 +314,14 @@ def test_cli_prints_one_json_object(tmp_path: Path) -> None:
         "cpu_s",
         "max_rss_mb",
     }
+
+
+def test_a_dead_worker_is_reported_then_replaced() -> None:
+    with Sandbox(num_workers=1) as single:
+        worker = single._workers[0]
+        assert worker.proc is not None
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
+        with pytest.raises(SandboxError, match="worker"):
+            single.run("print(1)")
+        assert single.run("print(1)").stdout == "1\n"
