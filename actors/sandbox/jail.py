@@ -2,7 +2,7 @@
 
 Imported by `zygote.py` (standard library only; it runs with `python -I -S`). The zygote forks
 A (`fork_init`): A joins the worker's pids cgroup, unshares a pid and a mount namespace and
-forks B (`init_main`), pid 1 there, which mounts /proc, waits for its job on a socket, mounts a
+forks B (`init_main`), pid 1 there (an IPC namespace of its own too), which mounts /proc, waits for its job on a socket, mounts a
 private tmpfs /tmp, forks C (`runner_main`) and reaps everything; C chroots into the read-only
 root, sets rlimits, drops to the run's own uid and runs the code as `__main__`.
 """

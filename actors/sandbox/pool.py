@@ -14,6 +14,7 @@ may call it at once. Isolation that cannot be made here is refused with the reas
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import json
@@ -94,8 +95,10 @@ class ExecResult:
         return asdict(self)
 
 
+@functools.cache
 def isolation_problem() -> str | None:
-    """Why the sandbox cannot isolate code on this machine, or None when it can."""
+    """Why the sandbox cannot isolate code on this machine, or None when it can (probed once
+    per process: a child tries to unshare every namespace a run uses)."""
     if sys.platform != "linux":
         return f"needs Linux namespaces, this is {sys.platform}"
     if os.geteuid() != 0:
