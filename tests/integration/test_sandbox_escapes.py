@@ -325,3 +325,13 @@ def test_a_dead_worker_is_reported_then_replaced() -> None:
         with pytest.raises(SandboxError, match="worker"):
             single.run("print(1)")
         assert single.run("print(1)").stdout == "1\n"
+
+
+def test_python_tool_runs_in_the_shared_pool() -> None:
+    from actors.envs.toolbox import python
+    from actors.sandbox import shared_pool
+
+    assert shared_pool() is shared_pool()
+    assert python("print(6 * 7)") == "42\n"
+    refused = python("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")
+    assert refused.startswith("[error, exit code 1]") and "OSError" in refused
