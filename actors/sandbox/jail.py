@@ -147,6 +147,8 @@ def init_main(root: str, sock_fd: int, pipes: tuple) -> None:
         c_pid = os.fork()
         if c_pid == 0:
             runner_main(job["code"], root, limits, uid, [stdin_fd, out_w, err_w], extra_fds)
+        for fd in (stdin_fd, out_w, err_w, *extra_fds.values()):
+            os.close(fd)  # C's alone now: its output ends when C and its children are gone
         report = reap_until(c_pid)
         try:
             os.kill(-1, signal.SIGKILL)  # whatever C left behind, before the run is reported

@@ -237,7 +237,7 @@ def run_job(header: dict, config: dict) -> dict:
 
 
 WARM: list[Jail] = []
-"""Jails forked ahead of the next job (as many as the last job had programs)."""
+"""Jails forked ahead (for two jobs like the last one), so a job rarely waits for one."""
 
 
 def set_pids_max(config: dict, count: int) -> None:
@@ -271,7 +271,7 @@ def main() -> None:
         except EOFError:
             return
         write_message(1, run_job(header, config))
-        while len(WARM) < len(header["programs"]):
+        while len(WARM) < 2 * len(header["programs"]):  # two jobs ahead
             WARM.append(Jail(config["cgroup"], config["root"]))
 
 
