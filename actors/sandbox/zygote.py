@@ -241,9 +241,11 @@ WARM: list[Jail] = []
 
 
 def set_pids_max(config: dict, count: int) -> None:
+    """The worker's pids cgroup bounds the run's processes plus the jails waiting beside it
+    (each run's own uid has RLIMIT_NPROC = max_procs as well)."""
     if config["cgroup"]:
         with open(config["cgroup"] + "/pids.max", "w") as f:
-            f.write(str(count + 2))
+            f.write(str(count + 2 + len(WARM) + 2))
 
 
 def reap_orphans() -> None:
