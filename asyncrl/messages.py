@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from asyncrl.score_messages import ScoreRequest, Scores
+
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -329,6 +331,7 @@ class Error:
     code: str
     field: str
     detail: str
+    request_id: int = _appended(-1)  # the ScoreRequest refused (reward-model server); -1 = none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,6 +361,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Stats,
     Error,
     Bye,
+    ScoreRequest,
+    Scores,
 )
 Message = (
     Hello
@@ -377,6 +382,8 @@ Message = (
     | Stats
     | Error
     | Bye
+    | ScoreRequest
+    | Scores
 )
 
 
