@@ -38,8 +38,16 @@ import numpy as np
 import zmq
 
 from asyncrl.config import RewardModelConfig
-from asyncrl.protocol import Error, ProtocolError, ScoreRequest, Scores, Stats, StatsRequest
-from asyncrl.protocol import decode, encode
+from asyncrl.protocol import (
+    Error,
+    ProtocolError,
+    ScoreRequest,
+    Scores,
+    Stats,
+    StatsRequest,
+    decode,
+    encode,
+)
 from asyncrl.score_messages import SCORE_ERROR_CODES
 from asyncrl.transport import NOBLOCK, connect_dealer, recv_parts, send_parts
 

@@ -47,7 +47,7 @@ import zmq
 from actors.rewards.rm_model import RewardModel
 from actors.rewards.score_queue import Overloaded, PendingRequest, Sample, ScoreQueue
 from asyncrl import auth
-from asyncrl.config import RewardModelConfig, ReplayConfig, load_config
+from asyncrl.config import ReplayConfig, RewardModelConfig, load_config
 from asyncrl.protocol import (
     Error,
     Message,
