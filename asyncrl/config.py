@@ -513,6 +513,59 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardModelConfig:
+    """A served reward model (`asyncrl reward-server`, actors/rewards/rm_server.py) and how
+    actors call it (actors/rewards/rm_client.py)."""
+
+    serve: bool = False
+    """`asyncrl run` starts `asyncrl reward-server` for the run and points the actors at it."""
+    model: str = ""
+    """Hugging Face sequence-classification directory (one scalar head); empty with `serve`
+    builds the tiny sort reward model (actors/rewards/tiny_reward_model.py) into model.cache_dir."""
+    endpoint: str = ""
+    """Where actors reach the server (`asyncrl run` fills it in with `serve`)."""
+    bind: str = "tcp://127.0.0.1:0"
+    """Endpoint the server binds (port 0 = OS-chosen). Non-loopback needs `auth_dir`."""
+    auth_dir: str = ""
+    """CURVE key directory (`asyncrl keygen`) for server and clients; empty = no auth."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the server runs the model: `auto` = the first GPU when CUDA is present."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the served model (bfloat16 on a GPU box)."""
+    max_batch: int = 64
+    """Most samples in one forward pass."""
+    max_wait_ms: float = 5.0
+    """Longest a queued sample waits for its batch to fill before the batch runs anyway."""
+    max_queue_samples: int = 4096
+    """Bound of the server's queue, in samples; a request that does not fit is refused with
+    Error(code="overloaded") and retried by the client after a backoff."""
+    max_length_tokens: int = 1024
+    """Samples are cut to their last this-many tokens (the score reads the last token)."""
+    timeout_s: float = 30.0
+    """Per request: the server drops it past this long in its queue; the client stops waiting
+    for an attempt after this long and retries."""
+    retries: int = 3
+    """Client: further attempts after a timeout, an overloaded server or a lost connection."""
+    backoff_s: float = 0.2
+    """Client: wait before the first retry, doubled for each further one."""
+    max_in_flight: int = 64
+    """Client: requests outstanding at once (more wait in the client)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch >= 1, "reward_model.max_batch", "must be >= 1", self.max_batch)
+        _check(self.max_wait_ms >= 0, "reward_model.max_wait_ms", "must be >= 0", self.max_wait_ms)
+        _check(self.max_queue_samples >= self.max_batch, "reward_model.max_queue_samples",
+               "must be >= reward_model.max_batch", self.max_queue_samples)  # fmt: skip
+        _check(self.max_length_tokens >= 1, "reward_model.max_length_tokens", "must be >= 1",
+               self.max_length_tokens)  # fmt: skip
+        _check(self.timeout_s > 0, "reward_model.timeout_s", "must be > 0", self.timeout_s)
+        _check(self.retries >= 0, "reward_model.retries", "must be >= 0", self.retries)
+        _check(self.backoff_s >= 0, "reward_model.backoff_s", "must be >= 0", self.backoff_s)
+        _check(self.max_in_flight >= 1, "reward_model.max_in_flight", "must be >= 1",
+               self.max_in_flight)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything one run needs; each section belongs to one component."""
 
@@ -526,6 +579,7 @@ class RunConfig:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         # The learner at version v takes only groups made with weights >= v - η, and actors

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from asyncrl.score_messages import ScoreRequest, Scores
+
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
@@ -351,6 +353,7 @@ class Error:
     code: str
     field: str
     detail: str
+    request_id: int = _appended(-1)  # the ScoreRequest refused (reward-model server); -1 = none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,6 +383,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Stats,
     Error,
     Bye,
+    ScoreRequest,
+    Scores,
 )
 Message = (
     Hello
@@ -399,6 +404,8 @@ Message = (
     | Stats
     | Error
     | Bye
+    | ScoreRequest
+    | Scores
 )
 
 

@@ -31,6 +31,8 @@ from asyncrl.protocol import (
     Members,
     ProtocolError,
     SampleRequest,
+    ScoreRequest,
+    Scores,
     Stats,
     StatsRequest,
     Trajectory,
@@ -92,6 +94,9 @@ def builds(cls: type) -> st.SearchStrategy[Any]:
     for spec in _SPECS[cls]:
         if spec.kind == "msgs":
             fields[spec.name] = st.lists(builds(spec.nested), max_size=2).map(tuple)
+        elif spec.kind == "array":  # Scores: one float32 per sample
+            one = st.floats(width=32, allow_nan=False, allow_infinity=False)
+            fields[spec.name] = st.lists(one, max_size=6).map(lambda v: np.array(v, np.float32))
         else:
             fields[spec.name] = KIND[spec.kind]
     return st.builds(cls, **fields)
@@ -205,6 +210,15 @@ def _golden_messages() -> list[Any]:
         Stats(stats={"groups_received": 3}),
         Error(code="bad_message", field="tokens", detail="must be int32"),
         Bye(client_id="a", reason="done"),
+        ScoreRequest(request_id=5, prompts=["31:"], completions=["13"], timeout_s=2.0),
+        Scores(
+            request_id=5,
+            scores=np.array([0.5, -1.25], np.float32),
+            model_dir="rm",
+            model_hash="ab12",
+            queue_s=0.25,
+            compute_s=0.5,
+        ),  # fmt: skip
     ]
 
 
@@ -329,6 +343,22 @@ GOLDEN = {
             "84a9636c69656e745f6964a161a6726561736f6ea4646f6e65a474797065a3427965a870726f746f"
             "636f6c01"
         ),
+    ],
+    "ScoreRequest": [
+        (
+            "86aa726571756573745f696405a770726f6d70747391a333313aab636f6d706c6574696f6e7391a2"
+            "3133a974696d656f75745f73cb4000000000000000a474797065ac53636f726552657175657374a8"
+            "70726f746f636f6c01"
+        ),
+    ],
+    "Scores": [
+        (
+            "88aa726571756573745f696405a673636f72657383a56474797065a7666c6f61743332a573686170"
+            "659102a56672616d6501a96d6f64656c5f646972a2726daa6d6f64656c5f68617368a461623132a7"
+            "71756575655f73cb3fd0000000000000a9636f6d707574655f73cb3fe0000000000000a474797065"
+            "a653636f726573a870726f746f636f6c01"
+        ),
+        "0000003f0000a0bf",
     ],
 }
 
@@ -492,6 +522,10 @@ def test_appended_fields_stay_off_the_wire_at_their_default() -> None:
     hello = GOLDEN_MESSAGES["Hello"]
     assert "batched_acks" not in header(hello) and decode(wire(hello)).batched_acks is False
     assert header(dataclasses.replace(hello, batched_acks=True))["batched_acks"] is True
+    error = GOLDEN_MESSAGES["Error"]
+    assert "request_id" not in header(error) and decode(wire(error)).request_id == -1
+    refused = dataclasses.replace(error, request_id=12)
+    assert header(refused)["request_id"] == 12 and same(decode(wire(refused)), refused)
 
 
 def permuted(msg: Any) -> list[bytes]:
