@@ -153,6 +153,8 @@ class Group:
     num_turns: list[int] = _appended(factory=list)
     tool_s: list[float] = _appended(factory=list)
     env_s: list[float] = _appended(factory=list)
+    # reward component name -> one value per trajectory (finite floats); {} = not recorded
+    reward_components: dict[str, list[float]] = _appended(factory=dict)
 
     @property
     def size(self) -> int:
@@ -210,6 +212,7 @@ class Group:
         trajectories: Sequence[Trajectory],
         metadata: dict[str, Any] | None = None,
         timings: dict[str, float] | None = None,
+        reward_components: dict[str, list[float]] | None = None,
     ) -> Group:
         """Concatenate per-sample trajectories into the columnar group."""
         if not trajectories:
@@ -238,6 +241,9 @@ class Group:
             metadata=dict(metadata or {}),
             timings=dict(timings or {}),
             **_episode_lists(trajectories),
+            reward_components={
+                k: [float(v) for v in vs] for k, vs in (reward_components or {}).items()
+            },
         )
 
 
