@@ -616,8 +616,8 @@ class RewardConfig:
     """JSONL of canaries ({"row": {...}, "completion", "expect": "right"|"wrong", "label"});
     empty = the task's built-in set (its module's `make_canaries`), if it has one."""
     canary_margin: float = 0.5
-    """A known-wrong canary whose reward reaches this raises an alarm (a known-right one below
-    it is reported as missed)."""
+    """A known-wrong canary whose reward exceeds this raises an alarm (a known-right one at or
+    below it is reported as missed)."""
     alarm_window_steps: int = 5
     """Run-level alarms (learner): compare the mean of the last this-many steps with the mean
     of the this-many before them."""

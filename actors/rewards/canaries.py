@@ -7,9 +7,9 @@
        v
     pipeline.score_items(items)                   every configured component, composed
        |
-       +-- known-wrong with reward >= reward.canary_margin -> ALARM (label, completion,
+       +-- known-wrong with reward > reward.canary_margin -> ALARM (label, completion,
        |   reward, components) to the actor's log, counted, and sent with the next group
-       +-- known-right below the margin -> reported as missed (a broken verifier)
+       +-- known-right at or below the margin -> reported as missed (a broken verifier)
 ```
 
 A reward that a known hack can earn is a reward the policy will learn to earn; the canary set
@@ -141,11 +141,11 @@ class CanaryRunner:
             evidence = {"label": canary.label, "prompt_id": canary.row.prompt_id,
                         "completion": canary.completion[:200], "reward": outcome.reward,
                         "components": outcome.components}  # fmt: skip
-            if canary.expect == "wrong" and outcome.reward >= self.margin:
+            if canary.expect == "wrong" and outcome.reward > self.margin:
                 alarms.append(evidence)
                 self.log(f"ALARM reward canary: known-wrong response earned reward at "
                          f"policy v{policy_version}: {json.dumps(evidence)}")  # fmt: skip
-            elif canary.expect == "right" and outcome.reward < self.margin:
+            elif canary.expect == "right" and outcome.reward <= self.margin:
                 missed.append(evidence)
         self.alarms_total += len(alarms)
         return {"policy_version": policy_version, "num": len(self.canaries),
