@@ -34,7 +34,7 @@ def test_composed_reward_run_with_the_served_reward_model(tmp_path: Path) -> Non
     # the reward model really scored: its values vary with the completions
     assert len({r["reward/reward_model"] for r in rows}) > 1
     server = json.loads((run_dir / "reward_server.json").read_text())  # written at its exit
-    assert server, "the reward server wrote no stats"
+    assert server["samples_scored"] == actor_items(run_dir) and not server["errors"]
     pids = json.loads((run_dir / "pids.json").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pids["reward-server"], 0)  # ended with the run
@@ -43,3 +43,9 @@ def test_composed_reward_run_with_the_served_reward_model(tmp_path: Path) -> Non
     actor = json.loads((run_dir / "actor-0.json").read_text())["stats"]
     assert actor["reward/items"] > 0 and actor["reward_failures"] == 0
     assert actor.get("reward/canary_alarms", 0) == 0  # no known-wrong canary above the margin
+
+
+def actor_items(run_dir: Path) -> int:
+    """Items the actors scored (episodes and canaries): each went through the server once."""
+    stats = [json.loads(p.read_text())["stats"] for p in run_dir.glob("actor-*.json")]
+    return sum(int(s["reward/items"]) for s in stats)
