@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -222,3 +223,36 @@ def test_reward_config_from_a_run_config() -> None:
     start = time.perf_counter()
     assert p.score([item()])[0].reward == 1.0
     assert time.perf_counter() >= start
+
+
+def test_a_component_of_your_own_by_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_scorers.py").write_text(
+        "from actors.rewards.components import ComponentResult, InlineComponent\n"
+        "class Length(InlineComponent):\n"
+        "    name = 'length'\n"
+        "    def score_one(self, item):\n"
+        "        return ComponentResult(value=-0.1 * len(item.completion))\n"
+        "def make_component(cfg):\n"
+        "    return Length()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = RewardConfig(weights="task=1, length=1", modules="length=my_scorers:make_component")
+    p = RewardPipeline.from_config(dataclasses.replace(RunConfig(), reward=reward))
+    assert p.score([item("1134")])[0].reward == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="unknown component 'nope'"):
+        RewardPipeline.from_config(
+            dataclasses.replace(RunConfig(), reward=RewardConfig(weights="task=1, nope=1"))
+        )
+
+
+def test_the_judge_component_from_config_needs_a_url() -> None:
+    from actors.rewards.judge import make_component
+    from asyncrl.config import JudgeConfig
+
+    with pytest.raises(ValueError, match="judge.url"):
+        make_component(RunConfig())
+    judge = make_component(
+        dataclasses.replace(RunConfig(), judge=JudgeConfig(url="http://127.0.0.1:9/v1"))
+    )
+    assert judge.provenance()["url"] == "http://127.0.0.1:9/v1/chat/completions"
+    judge.close()
