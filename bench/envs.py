@@ -15,7 +15,10 @@ same prompts, in waves of the same number of episodes.
 `multi_turn_over_single_turn` = episodes/s multi-turn / episodes/s single-turn (goal >= 0.8):
 what the turn structure costs (re-prefilling each turn's context, tool calls, observation
 tokens, bookkeeping). Repetitions alternate the two, so machine noise hits both alike.
-Writes bench/results/envs.json.
+`multi_turn_generate_share` is the part of the multi-turn time spent inside `engine.generate`
+(the rest is the environments, tokenizing observations and the runner's bookkeeping); the
+torch engine prefills each turn's whole context again (no KV cache kept between turns), which
+single-turn generation of the same tokens does once. Writes bench/results/envs.json.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namesp
     from actors.episodes import EpisodeLimits, EpisodeRunner
 
     limits = EpisodeLimits(max_turns=args.turns, max_new_tokens=args.max_new_tokens)
+    engine = TimedEngine(engine)
     keys = iter([r.info["key"] for r in rows for _ in range(args.group_size)])
     runner = EpisodeRunner(engine, tok, lambda: make_env(args.turns, next(keys)), limits,
                            workers=0)  # fmt: skip
@@ -96,8 +100,25 @@ def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namesp
             episodes += [(group.episodes[0].prompt, _model_tokens(e)) for e in group.episodes]
     seconds = time.perf_counter() - start
     runner.close()
-    turns = sum(1 for _ in episodes)
-    return {"seconds": seconds, "episodes": turns, "episode_tokens": episodes}
+    return {"seconds": seconds, "generate_s": engine.seconds, "episodes": len(episodes),
+            "episode_tokens": episodes}  # fmt: skip
+
+
+class TimedEngine:
+    """The engine, with the seconds spent in `generate` added up."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds = inner, 0.0
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def generate(self, requests: Sequence[Any]) -> list[list[Any]]:
+        start = time.perf_counter()
+        out = self.inner.generate(requests)
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 def _model_tokens(ep: Any) -> int:
@@ -111,8 +132,13 @@ def single_turn(engine: Any, episodes: Sequence[tuple[list[int], int]], wave: in
     start = time.perf_counter()
     for at in range(0, len(episodes), wave):
         requests = [
-            GenerationRequest(prompt_tokens=list(prompt), n=1, max_new_tokens=max(count, 1),
-                              stop_token_ids=(), seed=at + i)  # fmt: skip
+            GenerationRequest(
+                prompt_tokens=list(prompt),
+                n=1,
+                max_new_tokens=max(count, 1),
+                stop_token_ids=(),
+                seed=at + i,
+            )  # fmt: skip
             for i, (prompt, count) in enumerate(episodes[at : at + wave])
         ]
         engine.generate(requests)
@@ -138,7 +164,7 @@ def main() -> int:
     rows = make_rows(task)
     multi_turn(engine, tok, rows[: args.concurrency], args)  # warm-up
     wave = args.concurrency * args.group_size
-    multi_rates, single_rates, ratios, tokens = [], [], [], []
+    multi_rates, single_rates, ratios, tokens, shares = [], [], [], [], []
     for rep in range(args.reps):
         run = multi_turn(engine, tok, rows, args)
         single_s = single_turn(engine, run["episode_tokens"], wave)
@@ -146,6 +172,7 @@ def main() -> int:
         single_rates.append(run["episodes"] / single_s)
         ratios.append(single_s / run["seconds"])
         tokens.append(sum(c for _, c in run["episode_tokens"]) / run["episodes"])
+        shares.append(run["generate_s"] / run["seconds"])
         print(f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
               f"{single_rates[-1]:.1f}, ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
     result = {
@@ -157,6 +184,7 @@ def main() -> int:
         "model_tokens_per_episode": spread(tokens),
         "multi_turn_over_single_turn": spread(ratios)["median"],
         "ratio_spread": spread(ratios),
+        "multi_turn_generate_share": spread(shares),
         "goal": {"multi_turn_over_single_turn": 0.8},
     }
     write_json(args.out, result)

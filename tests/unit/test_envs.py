@@ -269,3 +269,27 @@ def test_a_template_that_rewrites_past_turns_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="cannot be rendered turn by turn"):
         ChatTokens(tok).next(Observation(messages=({"role": "tool", "content": "1"},)))
+
+
+def test_the_learner_logs_how_episodes_went() -> None:
+    import numpy as np
+
+    from asyncrl.protocol import Group, Trajectory
+    from learner.loop import episode_metrics
+
+    def traj(reason: str, turns: int, failed: str = "") -> Trajectory:
+        return Trajectory(tokens=np.arange(6, dtype=np.int32), prompt_len=2,
+                          loss_mask=np.ones(4, np.uint8), behavior_logprobs=np.zeros(4, np.float32),
+                          reward=0.0, min_policy_version=0, max_policy_version=0,
+                          finish_reason=reason, reward_failed=failed, num_turns=turns,
+                          tool_s=0.5, env_s=1.0)  # fmt: skip
+
+    group = Group.build(group_id="g", prompt_id="p", credit_id="c", actor_id="a", seq=0,
+                        trajectories=[traj("stop", 3), traj("tool_error", 2, "bad"),
+                                      traj("stop", 1), traj("turn_limit", 4)],
+                        metadata={"tool_calls": 6, "malformed_calls": 2})  # fmt: skip
+    out = episode_metrics([group])
+    assert out["finish/stop"] == 0.5 and out["finish/tool_error"] == 0.25
+    assert out["reward_failed_frac"] == 0.25 and out["turns_mean"] == 2.5
+    assert out["tool_calls_per_episode"] == 1.5 and out["malformed_calls_per_episode"] == 0.5
+    assert out["tool_errors_per_episode"] == 0.0 and out["tool_s_mean"] == 0.5
