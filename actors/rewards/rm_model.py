@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -58,14 +58,15 @@ class RewardModel:
         self.model_dir = str(root.resolve())
         self.model_hash = weights_hash(root)
         self.device = pick_device(device)
+        num_labels = AutoConfig.from_pretrained(root).num_labels
+        if num_labels != 1:
+            raise ValueError(
+                f"--model: {root} has num_labels={num_labels}; "
+                "a reward model has a single scalar head (num_labels=1)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.tokenizer.truncation_side = "left"  # keep the end: the score is read there
         self.model = AutoModelForSequenceClassification.from_pretrained(root, dtype=_DTYPES[dtype])
-        if self.model.config.num_labels != 1:
-            raise ValueError(
-                f"--model: {root} has num_labels={self.model.config.num_labels}; "
-                "a reward model has a single scalar head (num_labels=1)"
-            )
         self.pad_id = self._pad_id()
         self.max_length_tokens = max_length_tokens
         self.model.to(self.device).eval()
