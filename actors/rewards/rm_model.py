@@ -1,5 +1,5 @@
 """A reward model in this process: any Hugging Face `AutoModelForSequenceClassification`
-directory with a single scalar head, its tokenizer, and the hash of its weights.
+directory with a single scalar head, its tokenizer, and the hash of its config and weights.
 
 `RewardModel.tokenize` turns (prompt, completion) pairs into token ids (`prompt + completion`
 as one text, cut to the last `max_length_tokens` tokens: the score is read at the last token);
@@ -24,11 +24,13 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def weights_hash(model_dir: str | Path) -> str:
-    """sha256 (first 16 hex digits) over the model directory's weight files, in name order."""
+    """The checkpoint id: sha256 (first 16 hex digits) over the model directory's config.json
+    and weight files, in name order (a copy of the directory has the same id)."""
     root = Path(model_dir)
-    files = sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    if not files:
+    weights = [p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    if not weights:
         raise ValueError(f"--model: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {root}")
+    files = sorted([root / "config.json", *weights])
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())

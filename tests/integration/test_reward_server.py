@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.rewards.rm_client import RewardModelClient, RewardModelComponent
+from actors.rewards.rm_client import RewardModelClient, RewardModelComponent, RewardModelError
 from actors.rewards.rm_model import RewardModel, weights_hash
 from actors.rewards.tiny_reward_model import ensure_reward_model
 from asyncrl.auth import keygen
@@ -164,6 +165,53 @@ def test_component_scores_items_and_records_the_checkpoint(server: ServerProcess
         component.close()
     assert len(scores) == len(PROMPTS) and not any(s.failed for s in scores)
     assert set(component.provenance()) == {"reward_model_dir", "reward_model_hash"}
+    assert all(np.isfinite(s.value) for s in scores)
+
+
+def test_component_scores_token_ids_like_their_texts(server: ServerProcess) -> None:
+    vocab = sorted(set("".join(PROMPTS + COMPLETIONS)))  # a toy policy tokenizer: one id a char
+
+    def encode_text(text: str) -> list[int]:
+        return [vocab.index(ch) for ch in text]
+
+    def decode(ids: Any) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    component = RewardModelComponent(RewardModelClient(server.endpoint, timeout_s=WAIT_S))
+    try:
+        ids = component.submit_tokens([encode_text(p) for p in PROMPTS],
+                                      [encode_text(c) for c in COMPLETIONS], decode).result()  # fmt: skip
+        texts = component.client.score([p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+    finally:
+        component.close()
+    assert [s.value for s in ids] == pytest.approx(texts, abs=1e-5)
+
+
+def test_concurrent_clients_each_get_their_own_scores(server: ServerProcess, rm_dir: Path) -> None:
+    model = RewardModel(rm_dir)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    expected = [float(model.score([""], [t])[0]) for t in texts]
+    results: dict[int, list[list[float]]] = {}
+
+    def one_client(k: int) -> None:
+        client = RewardModelClient(server.endpoint, client_id=f"c{k}", timeout_s=WAIT_S,
+                                   retries=20, backoff_s=0.01)  # fmt: skip
+        try:  # each client asks for a different rotation of the texts, several in flight
+            mine = texts[k:] + texts[:k]
+            futures = [client.score_async(mine) for _ in range(4)]
+            results[k] = [f.result() for f in futures]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one_client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [0, 1, 2, 3]
+    for k, replies in results.items():
+        for got in replies:
+            np.testing.assert_allclose(got, expected[k:] + expected[:k], rtol=0, atol=1e-5)
 
 
 def test_full_batches_run_together(patient: ServerProcess) -> None:
@@ -178,6 +226,7 @@ def test_full_batches_run_together(patient: ServerProcess) -> None:
         client.close()
     assert after["batches"] - before["batches"] == 1  # 8 requests of 1 sample: one batch of 8
     assert after["largest_batch"] == 8
+    assert after["batch_sizes"].get("8", 0) - before["batch_sizes"].get("8", 0) == 1
 
 
 def test_a_request_past_its_timeout_gets_a_timeout_error(patient: ServerProcess) -> None:
@@ -228,7 +277,9 @@ def test_bad_requests_get_an_error_naming_the_field(
 
 
 def test_a_full_queue_answers_overloaded_and_the_client_retries(server: ServerProcess, raw: zmq.Socket) -> None:  # fmt: skip
-    num = 300  # 8 samples each against a queue of 16: far faster in than out
+    before = RewardModelClient(server.endpoint, timeout_s=WAIT_S)
+    scored_before = before.server_stats()["samples_scored"]
+    num = 60  # 8 samples each against a queue of 16: far faster in than out
     for i in range(num):
         raw.send_multipart(encode(ScoreRequest(request_id=i, prompts=["3141:"] * 8,
                                                completions=["1134"] * 8)))  # fmt: skip
@@ -236,11 +287,19 @@ def test_a_full_queue_answers_overloaded_and_the_client_retries(server: ServerPr
     assert sorted(r.request_id for r in replies) == list(range(num))  # every one answered
     overloaded = [r for r in replies if isinstance(r, Error)]
     assert overloaded and all((r.code, r.field) == ("overloaded", "prompts") for r in overloaded)
-    assert all(isinstance(r, Scores | Error) for r in replies)
-    client = RewardModelClient(server.endpoint, timeout_s=WAIT_S, retries=50, backoff_s=0.01)
+    accepted = [r for r in replies if isinstance(r, Scores)]
+    assert accepted and all(len(r.scores) == 8 for r in accepted)  # no accepted one lost
+    assert len(accepted) + len(overloaded) == num
     try:
-        futures = [client.submit(["3141:"] * 8, ["1134"] * 8) for _ in range(100)]
+        assert before.server_stats()["samples_scored"] - scored_before == 8 * len(accepted)
+    finally:
+        before.close()
+    client = RewardModelClient(server.endpoint, timeout_s=WAIT_S, retries=100, backoff_s=0.01,
+                               max_backoff_s=0.05)  # fmt: skip
+    try:  # more in flight than the queue holds: overloaded attempts are retried until scored
+        futures = [client.submit(["3141:"] * 8, ["1134"] * 8) for _ in range(12)]
         assert all(len(f.result().scores) == 8 for f in futures)
+        assert client.stats["retries"] > 0
     finally:
         client.close()
 
@@ -254,8 +313,9 @@ def test_a_client_with_no_server_times_out_after_its_retries() -> None:
         client = RewardModelClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2,
                                    backoff_s=0.05)  # fmt: skip
         try:
-            with pytest.raises(TimeoutError, match="attempt 3"):
-                client.score(["1:"], ["1"])
+            with pytest.raises(RewardModelError, match="attempt 3") as caught:
+                client.score(["1:1"])
+            assert caught.value.code == "timeout"
             assert client.stats["timeouts"] == 3 and client.stats["retries"] == 2
         finally:
             client.close()
@@ -287,13 +347,13 @@ def test_auth_admits_key_holders_only(tmp_path: Path, rm_dir: Path) -> None:
     try:
         client = RewardModelClient(proc.endpoint, auth_dir=str(keys), timeout_s=WAIT_S)
         try:
-            assert len(client.score(["12:"], ["12"]).scores) == 1
+            assert len(client.score(["12:12"])) == 1
         finally:
             client.close()
         stranger = RewardModelClient(proc.endpoint, timeout_s=1.0, retries=0)
         try:
-            with pytest.raises(TimeoutError):
-                stranger.score(["12:"], ["12"])
+            with pytest.raises(RewardModelError, match="no reply"):
+                stranger.score(["12:12"])
         finally:
             stranger.close()
         stats = proc.stop()
