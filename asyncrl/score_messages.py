@@ -39,6 +39,6 @@ class Scores:
     request_id: int
     scores: np.ndarray = field(metadata={"dtype": "float32", "ndim": 1})  # float32 [n], finite
     model_dir: str  # the checkpoint that scored (provenance)
-    model_hash: str  # sha256 prefix of its weight files
+    model_hash: str  # sha256 prefix of its config.json and weight files
     queue_s: float = 0.0  # longest time one of the samples waited for a batch
     compute_s: float = 0.0  # model time of the batches that carried the samples

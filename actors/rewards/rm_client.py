@@ -11,7 +11,8 @@
                <----------------------------- Error(overloaded|timeout) -> retry after backoff
                <----------------------------- Error(bad_request|...)    -> future fails, named
      attempt past timeout_s, or the server restarted (its reply never comes)
-               -> retry after backoff_s * 2^k, at most `retries` times, then TimeoutError
+               -> retry after min(backoff_s * 2^k, max_backoff_s), `retries` times at most,
+                  then RewardModelError(code="timeout")
 ```
 
 Many requests are in flight from one process, so an actor submits a round's completions and
@@ -19,7 +20,26 @@ goes on (verifier scoring, the next generation) while the server scores them; `r
 only for what is not back yet. A reply for an earlier attempt of a request that is being retried
 is accepted; a reply for a request already answered is counted (`late_replies`) and ignored.
 Retries keep the request id: the server keeps no state between attempts, so a retry scores
-again and only the first reply counts.
+again and only the first reply counts. Backoff doubles per retry up to `max_backoff_s`.
+
+The API other code uses (everything else is internal):
+
+    client = RewardModelClient(endpoint, timeout_s=30.0, max_in_flight=64, retries=3,
+                               auth_dir="")          # or RewardModelClient.from_config(cfg, id)
+    client.score(texts) -> list[float]               # blocking, internally pipelined
+    client.score_async(texts) -> Future[list[float]] # returns at once
+    client.submit(prompts, completions) -> Future[ScoreResult]  # scores + checkpoint + attempts
+    client.server_stats() -> dict                    # the server's counters (batch sizes...)
+    client.close()
+
+A text is scored whole (the server reads the score at its last token); `submit` scores
+`prompts[i] + completions[i]`. Failures raise `RewardModelError` with `code` (`bad_request`,
+`model_error`, `timeout`, `overloaded`, `closed`...), `field` and `detail`: a refused request at
+once, a retryable one (`timeout`, `overloaded`, no reply) once its retries are spent.
+`RewardModelComponent` is the `reward_model` reward component built on it: items with
+`prompt`/`completion` texts, or token ids with the policy tokenizer's `decode`
+(`submit_tokens`), to floats or per-item failures with their reason, and `provenance()` (the
+checkpoint's directory and its config+weights hash).
 """
 
 from __future__ import annotations
@@ -29,7 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -57,7 +77,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class RewardModelError(Exception):
-    """A request the server refused for good, or one that ran out of retries."""
+    """A request the server refused for good, or one that ran out of retries (`code` says
+    which: the server's Error.code, or `timeout` when no reply came in time)."""
 
     def __init__(self, code: str, field: str, detail: str) -> None:
         super().__init__(f"reward model {code}: {field}: {detail}")
@@ -97,11 +118,15 @@ class RewardModelClient:
     """Scores texts with a served reward model; thread-safe `submit`, one I/O thread."""
 
     def __init__(self, endpoint: str, *, client_id: str = "rm-client", timeout_s: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.2, max_in_flight: int = 64,
-                 auth_dir: str = "") -> None:  # fmt: skip
+                 retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 2.0,
+                 max_in_flight: int = 64, auth_dir: str = "") -> None:  # fmt: skip
         if not endpoint:
             raise ValueError("reward_model.endpoint: empty (start `asyncrl reward-server` first)")
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_in_flight < 1:
+            raise ValueError("reward_model: timeout_s > 0, retries >= 0, backoff_s >= 0 and "
+                             "max_in_flight >= 1 are required")  # fmt: skip
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.max_backoff_s = max(max_backoff_s, backoff_s)
         self.max_in_flight = max_in_flight
         self.ctx = zmq.Context()
         self.dealer = connect_dealer(self.ctx, endpoint, client_id, hwm=10000, heartbeat_s=1.0,
@@ -130,16 +155,29 @@ class RewardModelClient:
     # --- any thread -----------------------------------------------------------------------------
 
     def submit(self, prompts: Sequence[str], completions: Sequence[str]) -> Future:
-        """Start scoring; the future gives a ScoreResult or raises RewardModelError/TimeoutError."""
+        """Start scoring prompts[i] + completions[i]; the future gives a ScoreResult or raises
+        RewardModelError."""
         if len(prompts) != len(completions):
             raise ValueError(f"completions: {len(completions)} items for {len(prompts)} prompts")
         request = ScoreRequest(request_id=next(self.ids), prompts=list(prompts),
                                completions=list(completions), timeout_s=self.timeout_s)  # fmt: skip
         return self._enqueue(request)
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> ScoreResult:
-        """submit(...).result(): blocking."""
-        return self.submit(prompts, completions).result()
+    def score_async(self, texts: Sequence[str]) -> Future:
+        """Start scoring whole texts; the future gives list[float] or raises RewardModelError."""
+        future: Future = Future()
+        inner = self.submit([""] * len(texts), texts)
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            _settle(future, None if error else f.result().scores.tolist(), error)
+
+        inner.add_done_callback(done)
+        return future
+
+    def score(self, texts: Sequence[str]) -> list[float]:
+        """One float per text (score_async(texts).result()): blocking."""
+        return self.score_async(texts).result()
 
     def server_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """The server's counters (StatsRequest), without retries."""
@@ -261,7 +299,8 @@ class RewardModelClient:
             _settle(call.future, error=why)
             return
         self.stats["retries"] += 1
-        call.retry_at_s = time.monotonic() + self.backoff_s * 2 ** (call.attempts - 1)
+        wait = min(self.backoff_s * 2 ** min(call.attempts - 1, 30), self.max_backoff_s)
+        call.retry_at_s = time.monotonic() + wait
         self.state.backoff.append(call)
 
     def check_deadlines(self, now: float) -> None:
@@ -271,12 +310,13 @@ class RewardModelClient:
                 del st.in_flight[request_id]
                 self.stats["timeouts"] += 1
                 msg = f"no reply within {self.timeout_s} s (attempt {call.attempts})"
-                self.retry_or_fail(call, TimeoutError(f"reward model: {msg}"))
+                self.retry_or_fail(call, RewardModelError("timeout", "timeout_s", msg))
         due = [c for c in st.backoff if c.retry_at_s <= now]
         st.backoff = [c for c in st.backoff if c.retry_at_s > now]
         st.waiting.extendleft(reversed(due))  # retries go before new requests
         while st.stats_calls and st.stats_calls[0].deadline_s <= now:
-            _settle(st.stats_calls.popleft().future, error=TimeoutError("reward model: no Stats"))
+            why = RewardModelError("timeout", "timeout_s", "no Stats reply")
+            _settle(st.stats_calls.popleft().future, error=why)
 
     def fail_all(self, why: Exception) -> None:
         st = self.state
@@ -308,6 +348,12 @@ class ScoredText(Protocol):
 
 
 @dataclass(frozen=True)
+class _Text:
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True)
 class ComponentScore:
     """One item's reward-model score, or why it has none (never a silent 0)."""
 
@@ -326,7 +372,7 @@ class PendingScores:
         for count, future in self.futures:
             try:
                 res: ScoreResult = future.result()
-            except (RewardModelError, TimeoutError) as exc:
+            except RewardModelError as exc:
                 out += [ComponentScore(0.0, failed=f"reward_model: {exc}")] * count
                 continue
             self.owner.checkpoint = {"reward_model_dir": res.model_dir,
@@ -363,6 +409,14 @@ class RewardModelComponent:
             future = self.client.submit([i.prompt for i in part], [i.completion for i in part])
             futures.append((len(part), future))
         return PendingScores(futures, len(items), self)
+
+    def submit_tokens(self, prompt_ids: Sequence[Sequence[int]],
+                      completion_ids: Sequence[Sequence[int]],
+                      decode: Callable[[Sequence[int]], str]) -> PendingScores:  # fmt: skip
+        """submit() for token ids of a group: `decode` is the policy tokenizer's (the reward
+        model tokenizes the text with its own tokenizer)."""
+        items = [_Text(decode(p), decode(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)]  # fmt: skip
+        return self.submit(items)
 
     def score(self, items: Sequence[ScoredText]) -> list[ComponentScore]:
         return self.submit(items).result()

@@ -1,5 +1,5 @@
 """A reward model in this process: any Hugging Face `AutoModelForSequenceClassification`
-directory with a single scalar head, its tokenizer, and the hash of its weights.
+directory with a single scalar head, its tokenizer, and the hash of its config and weights.
 
 `RewardModel.tokenize` turns (prompt, completion) pairs into token ids (`prompt + completion`
 as one text, cut to the last `max_length_tokens` tokens: the score is read at the last token);
@@ -17,18 +17,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def weights_hash(model_dir: str | Path) -> str:
-    """sha256 (first 16 hex digits) over the model directory's weight files, in name order."""
+    """The checkpoint id: sha256 (first 16 hex digits) over the model directory's config.json
+    and weight files, in name order (a copy of the directory has the same id)."""
     root = Path(model_dir)
-    files = sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    if not files:
+    weights = [p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    if not weights:
         raise ValueError(f"--model: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {root}")
+    files = sorted([root / "config.json", *weights])
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
@@ -58,14 +60,15 @@ class RewardModel:
         self.model_dir = str(root.resolve())
         self.model_hash = weights_hash(root)
         self.device = pick_device(device)
+        num_labels = AutoConfig.from_pretrained(root).num_labels
+        if num_labels != 1:
+            raise ValueError(
+                f"--model: {root} has num_labels={num_labels}; "
+                "a reward model has a single scalar head (num_labels=1)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.tokenizer.truncation_side = "left"  # keep the end: the score is read there
         self.model = AutoModelForSequenceClassification.from_pretrained(root, dtype=_DTYPES[dtype])
-        if self.model.config.num_labels != 1:
-            raise ValueError(
-                f"--model: {root} has num_labels={self.model.config.num_labels}; "
-                "a reward model has a single scalar head (num_labels=1)"
-            )
         self.pad_id = self._pad_id()
         self.max_length_tokens = max_length_tokens
         self.model.to(self.device).eval()

@@ -87,7 +87,7 @@ class RewardServer:
         self.stats: dict[str, Any] = {
             "requests": 0, "samples_received": 0, "samples_scored": 0, "batches": 0,
             "real_tokens": 0, "padded_tokens": 0, "largest_batch": 0, "compute_s": 0.0,
-            "replies_dropped": 0, "errors": {},
+            "replies_dropped": 0, "errors": {}, "batch_sizes": {},
         }  # fmt: skip
         self.log_times: dict[bytes, float] = {}
         self.model_thread = threading.Thread(target=self.model_loop, name="rm-model", daemon=True)
@@ -212,6 +212,7 @@ class RewardServer:
     def snapshot(self) -> dict[str, Any]:
         """The counters, plus gauges and the checkpoint served."""
         return {**self.stats, "errors": dict(self.stats["errors"]),
+                "batch_sizes": dict(self.stats["batch_sizes"]),
                 "queue_depth": self.queue.depth(), "model_dir": self.model.model_dir,
                 "model_hash": self.model.model_hash,
                 "uptime_s": time.monotonic() - self.started_s}  # fmt: skip
@@ -249,6 +250,8 @@ class RewardServer:
         st["real_tokens"] += sum(lengths)
         st["padded_tokens"] += max(lengths) * len(batch)
         st["largest_batch"] = max(st["largest_batch"], len(batch))
+        sizes = st["batch_sizes"]  # "size" -> batches of that many samples
+        sizes[str(len(batch))] = sizes.get(str(len(batch)), 0) + 1
         st["compute_s"] += compute_s
 
 
