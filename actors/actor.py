@@ -138,6 +138,8 @@ class Actor:
             started += len(credits)
             self.start_episodes(credits)
             if not self.episodes.num_groups:
+                if max_groups and started >= max_groups:
+                    break  # every group started was pushed or dropped (reward.on_failure)
                 continue
             self.send(self.make_groups(self.score(self.episodes.advance())))
             self.publish_metrics()
