@@ -18,10 +18,10 @@
      v  reward_components {name: [value per trajectory]}, metadata["reward"] (counts, canary)
 ```
 
-The seam (asyncrl's INTERFACES, seam 3). A component (actors/rewards/components.py) is
+The component seam. A component (actors/rewards/components.py) is
 `name`, `submit(items) -> Future[list[ComponentResult]]`, `provenance()`, `close()`, built
 by a factory `make_component(cfg: RunConfig)` registered by name in `COMPONENTS` (the reward
-model is `reward_model` -> "actors.rewards.rm_client:make_component"). A `ScoreItem` carries
+model is `reward_model` -> "actors.rewards.components:make_reward_model"). A `ScoreItem` carries
 the row, the prompt and completion text, the environment's final `Step` (its reward is the
 `task` component), `task_failed`, the completion's token count and its finish reason. A
 `ComponentResult` is (value: any finite float, failed: reason or "", details, provenance).

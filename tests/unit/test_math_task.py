@@ -99,3 +99,31 @@ def test_registered_with_generated_rows_and_jsonl_data(tmp_path: Path) -> None:
     data.write_text(json.dumps({"prompt_id": "a", "prompt": "1+1?", "answer": "2"}) + "\n")
     [row] = task_rows(TaskConfig(name="math", data=str(data)))
     assert row.answer == "2"
+
+
+def test_math_canaries_through_the_live_path(worker: VerifyWorker) -> None:
+    from actors.envs.math_task import make_canaries
+    from actors.rewards.canaries import CanaryRunner
+    from actors.rewards.components import TaskComponent
+    from actors.rewards.compose import ComposeRule
+    from actors.rewards.pipeline import RewardPipeline
+    from asyncrl.config import RewardConfig
+
+    lines: list[str] = []
+    pipe = RewardPipeline([TaskComponent()], ComposeRule.from_config(RewardConfig()),
+                          log=lines.append)  # fmt: skip
+    runner = CanaryRunner(make_canaries(TaskConfig(name="math")), lambda: MathEnv(worker),
+                          every=1, log=lines.append)  # fmt: skip
+    report = runner.run(pipe.score_items, policy_version=0)
+    assert report["alarms"] == [] and report["missed"] == [] and not lines
+
+    # a verifier that passes any answer: the wrong-answer canaries raise the alarm, while the
+    # hedged ones stay at 0 (refused before verification)
+    class Lenient(VerifyWorker):
+        def check(self, gold: str, answer: str) -> tuple[bool, str]:
+            return True, ""
+
+    lenient = CanaryRunner(make_canaries(TaskConfig(name="math")), lambda: MathEnv(Lenient()),
+                           every=1, log=lines.append)  # fmt: skip
+    labels = {a["label"] for a in lenient.run(pipe.score_items, 0)["alarms"]}
+    assert labels == {"wrong", "early_then_wrong"} and lines[0].startswith("ALARM")
