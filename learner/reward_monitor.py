@@ -12,6 +12,8 @@
                           while response length or entropy fell by > alarm_collapse_ratio
     saturated:<name>      a component with one value and no spread for alarm_saturate_steps
     canary                an actor's canary alarm, repeated here with its evidence
+  provenance: each new reward provenance seen (rule hash, reward-model checkpoint, rubric hash)
+  is appended to run_dir/reward_provenance.jsonl with the step it first appeared at
 ```
 
 A sudden reward gain that comes with shorter or less varied answers is the usual signature of
@@ -46,6 +48,7 @@ class RewardMonitor:
         self.flat: dict[str, int] = Counter()
         self.alarms: list[dict[str, Any]] = []
         self.raised: set[str] = set()
+        self.provenances: set[str] = set()
 
     def step(self, step: int, groups: Sequence[Group], row: dict[str, Any]) -> dict[str, float]:
         """The reward metrics of this step (merged into its metrics row by the caller)."""
@@ -56,6 +59,7 @@ class RewardMonitor:
             failed += sum(1 for f in g.reward_failed if f)
             meta = g.metadata.get("reward", {}) if isinstance(g.metadata, dict) else {}
             flags.update(meta.get("flags", {}))
+            self.note_provenance(step, meta.get("provenance"))
             for alarm in (meta.get("canary") or {}).get("alarms", []):
                 canaries += 1
                 self.alarm(step, "canary", {"actor": g.actor_id, **alarm})
@@ -106,6 +110,18 @@ class RewardMonitor:
             if self.flat[name] >= need and name not in self.raised:
                 self.raised.add(name)
                 self.alarm(step, f"saturated:{name}", {"value": vs[0], "steps": self.flat[name]})
+
+    def note_provenance(self, step: int, provenance: Any) -> None:
+        """Record a provenance not seen before (a new checkpoint, rubric or rule)."""
+        if not provenance:
+            return
+        key = json.dumps(provenance, sort_keys=True)
+        if key in self.provenances:
+            return
+        self.provenances.add(key)
+        if self.path is not None:
+            with (self.path.parent / "reward_provenance.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "provenance": provenance}) + "\n")
 
     def alarm(self, step: int, kind: str, evidence: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), "alarm": kind, "evidence": evidence}

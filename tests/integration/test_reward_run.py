@@ -38,6 +38,10 @@ def test_composed_reward_run_with_the_served_reward_model(tmp_path: Path) -> Non
     pids = json.loads((run_dir / "pids.json").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pids["reward-server"], 0)  # ended with the run
+    seen = [json.loads(line) for line in (run_dir / "reward_provenance.jsonl").open()]
+    checkpoints = {p["provenance"]["components"]["reward_model"].get("reward_model_hash")
+                   for p in seen}  # fmt: skip
+    assert checkpoints == {server["model_hash"]}  # every trajectory names the checkpoint
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_codes"]["reward-server"] == 0
     actor = json.loads((run_dir / "actor-0.json").read_text())["stats"]
