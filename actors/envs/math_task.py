@@ -5,6 +5,7 @@
   model text --step--> final_answer(text)        only the FINAL answer counts:
                           |                       the last \\boxed{...}, else a final
                           |                       "Answer: x" / "The answer is x" line
+                          |                       or a final line that is only a number
                           |  several different \\boxed values, or a list of candidates
                           |  ("3 or 4", "3, 4") -> hedged: reward 0, flag `hedged`
                           v
@@ -42,6 +43,7 @@ INSTRUCTION = "Put the final answer in \\boxed{}."
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 _FINAL_LINE = re.compile(r"^\W*(?:final answer|answer|the answer is)\W*[:=]?\s*(.+?)\W*$", re.I)
+_NUMBER = re.compile(r"[-+]?\d+(?:[.,/]\d+)?")
 _SPLIT = re.compile(r"\s+or\s+|\\lor|;|,\s|\\text\{\s*or\s*\}|\|\|", re.I)
 
 
@@ -68,10 +70,11 @@ def final_answer(text: str) -> tuple[str | None, str]:
         candidate = boxed[-1]
     else:
         lines = [line for line in text.strip().splitlines() if line.strip()]
+        last = lines[-1].strip().rstrip(".").strip("$ ") if lines else ""
         match = _FINAL_LINE.match(lines[-1]) if lines else None
-        if match is None:
+        if match is None and not _NUMBER.fullmatch(last):
             return None, "no_answer"
-        candidate = match.group(1).strip().rstrip(".").strip("$ ")
+        candidate = match.group(1).strip().rstrip(".").strip("$ ") if match else last
     if len([p for p in _SPLIT.split(candidate) if p.strip()]) > 1:
         return None, "hedged"
     return candidate, ""

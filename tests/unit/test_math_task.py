@@ -40,6 +40,7 @@ def step(worker: VerifyWorker, text: str, answer: str = "42") -> tuple[float, di
         ("\\boxed{41 \\text{ or } 42}", None, "hedged"),
         ("The answer is 41 or 42", None, "hedged"),
         ("42 is what I get.\nThen I stop.", None, "no_answer"),
+        ("6 * 7 is\n$42$.", "42", ""),
         ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", ""),
     ],
 )
