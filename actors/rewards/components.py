@@ -126,8 +126,8 @@ class TaskComponent(InlineComponent):
     def score_one(self, item: ScoreItem) -> ComponentResult:
         if item.task_failed:
             return ComponentResult(failed=item.task_failed)
-        if item.step is None:
-            return ComponentResult(failed="no environment step to read the task reward from")
+        if item.step is None:  # ended (timeout, token budget) before any verdict: reward 0
+            return ComponentResult(value=0.0, details={"no_step": item.finish_reason})
         return ComponentResult(value=float(item.step.reward), details=dict(item.step.info))
 
 
