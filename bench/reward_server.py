@@ -17,16 +17,17 @@ what the server's dynamic batching gains over scoring one sample per forward pas
 are interleaved rep by rep so machine noise hits them alike. The model is a randomly
 initialised `LlamaForSequenceClassification` (num_labels=1) built locally with the tiny
 character tokenizer, larger than the tiny sort reward model so that a forward pass has
-weight: hidden 256, 4 layers; texts of 32-120 characters. Writes
+weight: hidden 128, 2 layers; texts of 32-120 characters. Writes
 bench/results/reward_server.json.
 
-    python bench/reward_server.py [--batch 32] [--samples 512] [--reps 5]
+    python bench/reward_server.py [--batch 32] [--samples 128] [--reps 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from actors.rewards.rm_client import RewardModelClient  # noqa: E402
 from actors.rewards.rm_model import RewardModel  # noqa: E402
 from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab  # noqa: E402
 
-SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
 START_WAIT_S = 120.0
 
@@ -74,7 +75,7 @@ def make_texts(num: int, seed: int = 0) -> list[str]:
 
 
 @contextmanager
-def served(model_dir: Path, tmp: Path, max_batch: int, max_wait_ms: float) -> Iterator[str]:
+def served(model_dir: Path, tmp: Path, max_batch: int, max_wait_ms: float, threads: int) -> Iterator[str]:  # fmt: skip
     """`asyncrl reward-server` in a child process; yields its endpoint; SIGTERM by pid."""
     endpoint_file = tmp / f"endpoint-{max_batch}"
     sets = {"max_batch": max_batch, "max_wait_ms": max_wait_ms, "max_queue_samples": 8192}
@@ -82,7 +83,8 @@ def served(model_dir: Path, tmp: Path, max_batch: int, max_wait_ms: float) -> It
            "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"]  # fmt: skip
     for key, value in sets.items():
         cmd += ["--set", f"reward_model.{key}={json.dumps(value)}"]
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # the server's torch threads
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + START_WAIT_S
         while not endpoint_file.exists():
@@ -119,20 +121,26 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     texts = make_texts(args.samples)
     model = RewardModel(model_dir, device="cpu")
     with (
-        served(model_dir, tmp, args.batch, args.max_wait_ms) as ep_b,
-        served(model_dir, tmp, 1, 0.0) as ep_1,
+        served(model_dir, tmp, args.batch, args.max_wait_ms, args.threads) as ep_b,
+        served(model_dir, tmp, 1, 0.0, args.threads) as ep_1,
     ):
         big = RewardModelClient(ep_b, client_id="bench-b", timeout_s=300, max_in_flight=256)
         one = RewardModelClient(ep_1, client_id="bench-1", timeout_s=300, max_in_flight=256)
-        variants: dict[str, Callable[[], float]] = {
-            "inprocess_B": lambda: time_inprocess(model, texts, args.batch),
-            "server_B": lambda: time_server(big, texts, args.batch),
-            "server_dynamic": lambda: time_server(big, texts, 1),
-            "server_batch1": lambda: time_server(one, texts, 1),
-            "inprocess_1": lambda: time_inprocess(model, texts, 1),
-        }
+
+        def variants(part: list[str]) -> dict[str, Callable[[], float]]:
+            return {
+                "inprocess_B": lambda: time_inprocess(model, part, args.batch),
+                "server_B": lambda: time_server(big, part, args.batch),
+                "server_dynamic": lambda: time_server(big, part, 1),
+                "server_batch1": lambda: time_server(one, part, 1),
+                "inprocess_1": lambda: time_inprocess(model, part, 1),
+            }
+
         try:
-            times = measure(variants, args.warmup, args.reps)
+            for _ in range(args.warmup):  # a short pass of every variant
+                for fn in variants(texts[: 2 * args.batch]).values():
+                    fn()
+            times = measure(variants(texts), args.reps)
             stats = {"server_B": big.server_stats(), "server_batch1": one.server_stats()}
         finally:
             big.close()
@@ -141,10 +149,8 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     return {"rates": rates, "server_stats": stats}
 
 
-def measure(variants: dict[str, Callable[[], float]], warmup: int, reps: int) -> dict[str, list[float]]:  # fmt: skip
-    for _ in range(warmup):
-        for fn in variants.values():
-            fn()
+def measure(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Every variant once per rep, in turn (interleaved)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(reps):
         for name, fn in variants.items():
@@ -156,12 +162,14 @@ def measure(variants: dict[str, Callable[[], float]], warmup: int, reps: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="B: samples per forward pass")
-    parser.add_argument("--samples", type=int, default=512, help="texts scored per repetition")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=128, help="texts scored per repetition")
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="server reward_model.max_wait_ms")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the servers")  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward_server.json"))
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="rm-bench-") as tmp:
         model_dir = build_model(Path(tmp) / "model")
         out = run(args, model_dir, Path(tmp))
@@ -177,7 +185,7 @@ def main() -> None:
         "benchmark": "reward_server",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": {"batch": args.batch, "samples": args.samples, "reps": args.reps,
-                   "warmup": args.warmup, "max_wait_ms": args.max_wait_ms, "model": SHAPE,
+                   "warmup": args.warmup, "threads": args.threads, "max_wait_ms": args.max_wait_ms, "model": SHAPE,
                    "text_chars": [32, 120], "device": "cpu", "dtype": "float32"},
         **environment(("numpy", "zmq", "msgpack", "torch", "transformers")),
         "torch_threads": torch.get_num_threads(),
