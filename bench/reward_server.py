@@ -16,11 +16,11 @@ local call at the same batch size. `batching_over_batch1` = server_dynamic / ser
 what the server's dynamic batching gains over scoring one sample per forward pass. Variants
 are interleaved rep by rep so machine noise hits them alike. The model is a randomly
 initialised `LlamaForSequenceClassification` (num_labels=1) built locally with the tiny
-character tokenizer, larger than the tiny sort reward model so that a forward pass has
-weight: hidden 128, 2 layers; texts of 32-120 characters. Writes
-bench/results/reward_server.json.
+character tokenizer, twice the tiny sort reward model's width (hidden 128, 2 layers); texts
+of 8-40 characters by default, the size of the `sort` task's (one token a character).
+Writes bench/results/reward_server.json.
 
-    python bench/reward_server.py [--batch 32] [--samples 128] [--reps 3] [--threads 1]
+    python bench/reward_server.py [--batch 32] [--samples 256] [--reps 5] [--threads 1] [--text-chars 8 40]
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def make_texts(num: int, seed: int = 0) -> list[str]:
+def make_texts(num: int, lo: int, hi: int, seed: int = 0) -> list[str]:
+    """`num` texts of lo..hi characters (one token each) and `<eos>`."""
     rng = random.Random(seed)
-    return ["".join(rng.choice("0123456789: ") for _ in range(rng.randint(32, 120))) + EOS
+    return ["".join(rng.choice("0123456789: ") for _ in range(rng.randint(lo, hi))) + EOS
             for _ in range(num)]  # fmt: skip
 
 
@@ -118,7 +119,7 @@ def time_server(client: RewardModelClient, texts: list[str], batch: int) -> floa
 
 
 def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
-    texts = make_texts(args.samples)
+    texts = make_texts(args.samples, *args.text_chars)
     model = RewardModel(model_dir, device="cpu")
     with (
         served(model_dir, tmp, args.batch, args.max_wait_ms, args.threads) as ep_b,
@@ -162,10 +163,12 @@ def measure(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="B: samples per forward pass")
-    parser.add_argument("--samples", type=int, default=128, help="texts scored per repetition")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=256, help="texts scored per repetition")
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="server reward_model.max_wait_ms")  # fmt: skip
+    parser.add_argument("--text-chars", type=int, nargs=2, default=[8, 40], metavar=("LO", "HI"),
+                        help="text lengths (sort-task texts are 8-40)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the servers")  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward_server.json"))
     args = parser.parse_args()
@@ -186,7 +189,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": {"batch": args.batch, "samples": args.samples, "reps": args.reps,
                    "warmup": args.warmup, "threads": args.threads, "max_wait_ms": args.max_wait_ms, "model": SHAPE,
-                   "text_chars": [32, 120], "device": "cpu", "dtype": "float32"},
+                   "text_chars": args.text_chars, "device": "cpu", "dtype": "float32"},
         **environment(("numpy", "zmq", "msgpack", "torch", "transformers")),
         "torch_threads": torch.get_num_threads(),
         "samples_per_s": out["rates"],
