@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.rewards.rm_client import RewardModelClient, RewardModelComponent, RewardModelError
+from actors.rewards.rm_client import RewardModelClient, RewardModelError
+from actors.rewards.rm_component import RewardModelComponent
 from actors.rewards.rm_model import RewardModel, weights_hash
 from actors.rewards.tiny_reward_model import ensure_reward_model
 from asyncrl.auth import keygen
