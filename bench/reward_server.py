@@ -9,11 +9,15 @@ same model in this process, side by side in one run, and the dynamic-batching wi
   server_dynamic   server groups 1-text requests      the same texts sent one per request
   server_batch1    a server with max_batch = 1        the same, every forward pass holds one
   inprocess_1      this process, batches of 1         reference only
+  forward_only_B   this process, batches of B         forward passes of pre-tokenized texts
 ```
 
 `server_over_inprocess` = server_B / inprocess_B (goal >= 0.8): what serving costs over a
 local call at the same batch size. `batching_over_batch1` = server_dynamic / server_batch1:
-what the server's dynamic batching gains over scoring one sample per forward pass. Variants
+what the server's dynamic batching gains over scoring one sample per forward pass.
+`server_over_forward_only` = server_B / forward_only_B: serving against the model's bare
+compute (the server tokenizes on its I/O thread while the model thread runs, so it can beat
+an in-process call that tokenizes and runs in turn). Variants
 are interleaved rep by rep so machine noise hits them alike. The model is a randomly
 initialised `LlamaForSequenceClassification` (num_labels=1) built locally with the tiny
 character tokenizer, twice the tiny sort reward model's width (hidden 128, 2 layers); texts
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,6 +115,15 @@ def time_inprocess(model: RewardModel, texts: list[str], batch: int) -> float:
     return time.perf_counter() - start
 
 
+def time_forward(model: RewardModel, texts: list[str], batch: int) -> float:
+    """The model's forward passes alone: tokenized before the clock starts."""
+    tokens = model.tokenize([""] * len(texts), texts)
+    start = time.perf_counter()
+    for lo in range(0, len(tokens), batch):
+        model.score_tokens(tokens[lo : lo + batch])
+    return time.perf_counter() - start
+
+
 def time_server(client: RewardModelClient, texts: list[str], batch: int) -> float:
     start = time.perf_counter()
     futures = [client.score_async(texts[lo : lo + batch]) for lo in range(0, len(texts), batch)]
@@ -135,6 +149,7 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
                 "server_dynamic": lambda: time_server(big, part, 1),
                 "server_batch1": lambda: time_server(one, part, 1),
                 "inprocess_1": lambda: time_inprocess(model, part, 1),
+                "forward_only_B": lambda: time_forward(model, part, args.batch),
             }
 
         try:
@@ -173,6 +188,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward_server.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers are stopped on the way out
     with tempfile.TemporaryDirectory(prefix="rm-bench-") as tmp:
         model_dir = build_model(Path(tmp) / "model")
         out = run(args, model_dir, Path(tmp))
@@ -181,6 +197,7 @@ def main() -> None:
         "server_over_inprocess": med["server_B"] / med["inprocess_B"],
         "batching_over_batch1": med["server_dynamic"] / med["server_batch1"],
         "inprocess_batching_over_batch1": med["inprocess_B"] / med["inprocess_1"],
+        "server_over_forward_only": med["server_B"] / med["forward_only_B"],
     }
     for key, value in {**{f"{k}_samples_per_s": v for k, v in med.items()}, **summary}.items():
         print(f"{key:>32}: {value:.3f}")
