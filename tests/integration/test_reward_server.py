@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.rewards.rm_client import RewardModelClient, RewardModelComponent, RewardModelError
+from actors.rewards.rm_client import RewardModelClient, RewardModelError
+from actors.rewards.rm_component import RewardModelComponent
 from actors.rewards.rm_model import RewardModel, weights_hash
 from actors.rewards.tiny_reward_model import ensure_reward_model
 from asyncrl.auth import keygen
@@ -372,3 +373,19 @@ def test_refuses_to_serve_a_model_with_more_than_one_output(tmp_path: Path, rm_d
     (two / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_labels=2"):
         RewardModel(two)
+
+
+def test_an_open_non_loopback_bind_needs_auth() -> None:
+    from actors.rewards.rm_server import bind_score_router
+    from asyncrl.config import RewardModelConfig
+
+    with zmq.Context() as ctx, pytest.raises(ValueError, match="reward_model.bind"):
+        bind_score_router(ctx, RewardModelConfig(bind="tcp://0.0.0.0:0"), allow_insecure=False)
+
+
+@pytest.mark.parametrize("key", ["max_batch", "timeout_s", "max_in_flight"])
+def test_bad_config_values_name_their_key(key: str) -> None:
+    from asyncrl.config import RewardModelConfig
+
+    with pytest.raises(ValueError, match=f"reward_model.{key}"):
+        RewardModelConfig(**{key: 0})
