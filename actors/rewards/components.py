@@ -213,7 +213,7 @@ def resolve_later(pending: Any, convert: Callable[[Any], list[ComponentResult]])
 
 
 class RewardModelAdapter:
-    """The served reward model (actors/rewards/rm_client.py `RewardModelComponent`) as a
+    """The served reward model (actors/rewards/rm_component.py `RewardModelComponent`) as a
     pipeline component: its per-item failures become failed results with their reason."""
 
     name = "reward_model"
@@ -237,7 +237,7 @@ def _from_rm_scores(scores: list[Any]) -> list[ComponentResult]:
 
 def make_reward_model(cfg: RunConfig) -> RewardComponent:
     """The `reward_model` component: a client of `reward_model.endpoint`."""
-    from actors.rewards.rm_client import RewardModelComponent
+    from actors.rewards.rm_component import RewardModelComponent
 
     if not cfg.reward_model.endpoint:
         raise ValueError(
