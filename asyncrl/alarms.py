@@ -34,10 +34,12 @@ tests feed it recorded metric streams, and tools read the `Alarm` records it mak
 from __future__ import annotations
 
 import collections
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import AlarmsConfig
@@ -328,3 +330,28 @@ def scan(rows: Sequence[Row], cfg: AlarmsConfig) -> list[Alarm]:
     """Every alarm a recorded metric stream fires, in order (for tests and reports)."""
     monitor = AlarmMonitor(cfg)
     return [alarm for row in rows for alarm in monitor.observe(row)]
+
+
+def read_alarms(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an alarms.jsonl, in one shape (name, step, policy_version, action,
+    message, evidence) whether written here or by the learner's reward monitor (whose records
+    say `alarm` and `evidence` only); [] when there is no file."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        evidence = r.get("evidence", {})
+        out.append({
+            "name": str(r.get("name") or f"reward:{r.get('alarm', '?')}"),
+            "step": int(r.get("step", 0)),
+            "policy_version": int(r.get("policy_version", r.get("step", 0))),
+            "action": str(r.get("action", "warn")),
+            "message": str(r.get("message") or json.dumps(evidence)),
+            "evidence": evidence,
+        })  # fmt: skip
+    return out

@@ -11,6 +11,10 @@
     asyncrl inspect RUN_DIR [--reward-lt X ...] [--show N] the kept trajectories (tools/inspect.py)
     asyncrl report  RUN_DIR                                RUN_DIR/report.html (tools/report.py)
     asyncrl eval    CHECKPOINT [--task T] [--samples N]    evaluate a checkpoint (tools/eval.py)
+    asyncrl sandbox run FILE [--stdin F] [--timeout S]     one sandboxed run, JSON out (actors/sandbox)
+    asyncrl score   --task T --row R.json --completion F   score one completion (tools/score.py)
+    asyncrl reward-server --model DIR [--bind EP] [--auth DIR]
+                                                           a served reward model (actors/rewards/rm_server.py)
 
 Subcommand modules are imported only when chosen, so `asyncrl replay` never imports torch.
 """
@@ -32,6 +36,9 @@ COMMANDS = {
     "report": ("tools.report", "main"),
     "status": ("tools.status", "main"),
     "launch": ("tools.launch", "main"),
+    "sandbox": ("actors.sandbox.cli", "main"),
+    "score": ("tools.score", "main"),
+    "reward-server": ("actors.rewards.rm_server", "main"),
 }
 
 

@@ -6,7 +6,7 @@ evaluation results, and optional Weights & Biases logging.
     before_step(batch)  ── a sampled step? one group's learner logprobs (π at the step's start)
     optimize(batch)
     after_step(batch, row)
-       ├─ AlarmMonitor.observe(row + reward/<component> means) ── alarm ──> warning + alarms.jsonl + AlarmRaised to the hub
+       ├─ AlarmMonitor.observe(row) ── alarm ──> warning + alarms.jsonl + AlarmRaised to the hub
        │                                          action: warn | pause (hub) | stop (checkpoint)
        ├─ outliers (reward or length far from recent steps) and an alarm's batch ──> flagged shard
        ├─ the sampled group ──> sample shard (asyncrl/trajectory_store.py)
@@ -85,8 +85,7 @@ class LearnerObserver:
     def after_step(self, batch: Batch, row: dict[str, Any]) -> None:
         """Alarms and their actions, the store's shards, W&B."""
         step = self.learner.step
-        watched = {"step": step, **component_means(batch.groups), **row}
-        alarms = self.monitor.observe(watched) if self.monitor else []
+        alarms = self.monitor.observe({"step": step, **row}) if self.monitor else []
         for alarm in alarms:
             self.raise_alarm(alarm)
         self.keep(batch, alarms)
@@ -226,18 +225,6 @@ class LearnerObserver:
         self.evals.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def component_means(groups: list[Group]) -> dict[str, float]:
-    """`reward/<name>`: the batch mean of each reward component the verifier reported (what
-    the component_saturation alarm watches), from the groups' `reward_components`."""
-    values: dict[str, list[float]] = {}
-    for group in groups:
-        for name, column in dict(group.metadata.get("reward_components", {})).items():
-            values.setdefault(f"reward/{name}", []).extend(
-                float(v) for v in column if math.isfinite(float(v))
-            )
-    return {k: sum(v) / len(v) for k, v in sorted(values.items()) if v}
 
 
 def _outlier(value: float, past: list[float], z: float, floor: float, name: str) -> str:

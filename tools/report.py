@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.alarms import read_alarms
 from asyncrl.evaluation import read_evals
 from asyncrl.run import read_metrics
 from asyncrl.trajectory_store import Table, load_table
@@ -59,8 +60,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return {
         "metrics": read_metrics(run_dir / "metrics.jsonl"),
         "evals": [e for e in read_evals(run_dir) if e.get("source") != "offline"],
-        "alarms": [json.loads(line) for line in alarms_path.read_text().splitlines() if line]
-        if alarms_path.is_file() else [],
+        "alarms": read_alarms(alarms_path),
         "config": tomllib.loads(config_path.read_text()) if config_path.is_file() else {},
         "summary": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
         "table": table,

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import TrajectoriesConfig
 from asyncrl.protocol import Group, Trajectory
 from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table, load_table
-from learner.observe import component_means, start_wandb
+from learner.observe import start_wandb
 from tools.inspect import show, turns
 
 
@@ -43,7 +43,7 @@ def multi_turn_group() -> Group:
     )  # fmt: skip
     return Group.build(group_id="a/0", prompt_id="p-1", credit_id=7, actor_id="a", seq=0,
                        trajectories=[traj],
-                       metadata={"reward_components": {"position": [0.5], "multiset": [1.0]}})  # fmt: skip
+                       reward_components={"position": [0.5], "multiset": [1.0]})  # fmt: skip
 
 
 def test_multi_turn_trajectory_round_trips_and_shows_turn_by_turn(tmp_path: Path) -> None:
@@ -62,14 +62,6 @@ def test_multi_turn_trajectory_round_trips_and_shows_turn_by_turn(tmp_path: Path
     assert "[model] <12>" in text and "reward components: multiset 1, position 0.5" in text
     assert f"{np.exp(-1.5 + 1.0):.4f}" in text  # the first token's IS weight π/μ
     assert "staleness 2" in text and "task lookup" in text
-
-
-def test_component_means_feed_the_saturation_alarm() -> None:
-    group = multi_turn_group()
-    other = Group.build(group_id="a/1", prompt_id="p-2", credit_id=8, actor_id="a", seq=1,
-                        trajectories=group.trajectories(),
-                        metadata={"reward_components": {"position": [1.0]}})  # fmt: skip
-    assert component_means([group, other]) == {"reward/multiset": 1.0, "reward/position": 0.75}
 
 
 def test_sample_stays_bounded_and_spread_over_the_run(tmp_path: Path) -> None:
