@@ -8,7 +8,7 @@
     asyncrl bench   NAME [args...]                         a benchmark from bench/
     asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
     asyncrl status  ENDPOINT [--watch] [--pause|--resume]  a live hub's summary (tools/status.py)
-    asyncrl inspect RUN_DIR [--reward-lt X ...] [--show N] the kept trajectories (tools/inspect.py)
+    asyncrl inspect RUN_DIR [--reward-max X ...] [--show N] kept trajectories (tools/inspect.py)
     asyncrl report  RUN_DIR                                RUN_DIR/report.html (tools/report.py)
     asyncrl eval    CHECKPOINT [--task T] [--samples N]    evaluate a checkpoint (tools/eval.py)
     asyncrl sandbox run FILE [--stdin F] [--timeout S]     one sandboxed run, JSON out (actors/sandbox)
