@@ -15,7 +15,14 @@ What a valid group is (`check_group` states it field by field):
 - 0 <= min_policy_version_i <= max_policy_version_i; finish reasons from FINISH_REASONS;
   rewards and timings finite;
 - the episode lists (`num_turns` >= 0, `tool_s`, `env_s` finite) are empty (not recorded, and
-  then off the wire) or hold one entry per trajectory.
+  then off the wire) or hold one entry per trajectory;
+- `version_spans` (flat triples: trajectory, first completion token, version) lists, per
+  trajectory it covers, spans in order: the first at token 0 with the trajectory's min version,
+  later ones at increasing tokens inside its completion with increasing versions, the last
+  with its max version; a trajectory it does not cover has no per-token versions recorded
+  (its tokens count as its min version's, the oldest);
+- `reward_components` maps names to one finite value per trajectory (empty = not recorded,
+  and then off the wire).
 
 The value rules (ids, masks, logprobs) scan the arrays: two or three numpy reductions per array,
 the only per-byte work of a decode. `values=False` skips them, for groups that arrive inside a
@@ -72,7 +79,13 @@ def decode_group(
         return None
     n = len(rewards)
     rewards, extras, episode = _finite_rewards(rewards), _extras(data), _episode_lists(data, n)
-    if rewards is None or extras is None or episode is None:
+    components = _components(data, n)
+    if rewards is None or extras is None or episode is None or components is None:
+        return None
+    spans = data["version_spans"] if "version_spans" in data else []
+    if spans and (type(spans) is not list or set(map(type, spans)) != _INT):
+        return None
+    if spans_problem(spans, lo, hi, [a - b for a, b in zip(seq_lens, prompt_lens, strict=True)]):
         return None
     num_tokens = sum(seq_lens)
     arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
@@ -86,9 +99,34 @@ def decode_group(
         seq_lens=seq_lens, prompt_lens=prompt_lens, rewards=rewards, min_policy_versions=lo,
         max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
         loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
-        num_turns=episode[0], tool_s=episode[1], env_s=episode[2],
+        num_turns=episode[0], tool_s=episode[1], env_s=episode[2], version_spans=spans,
+        reward_components=components,
     )  # fmt: skip
     return g
+
+
+def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: list[int]) -> str:
+    """What is wrong with a group's `version_spans` (see the module docstring), or ""."""
+    if not spans:
+        return ""
+    if len(spans) % 3:
+        return "must hold (trajectory, first token, version) triples"
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for i in range(0, len(spans), 3):
+        t, first, version = spans[i : i + 3]
+        if not 0 <= t < len(lo):
+            return f"trajectory index {t} out of range"
+        covered.setdefault(t, []).append((first, version))
+    last_t = -1
+    for t in sorted(covered):
+        pairs = covered[t]
+        if t < last_t or pairs[0] != (0, lo[t]) or pairs[-1][1] != hi[t]:
+            return f"trajectory {t}: spans must start at token 0 with min_policy_version and end with max_policy_version"
+        for (f0, v0), (f1, v1) in zip(pairs, pairs[1:], strict=False):
+            if not (f0 < f1 < completion[t] and v0 < v1):
+                return f"trajectory {t}: spans must grow in token and version inside the completion"
+        last_t = t
+    return ""
 
 
 def _lists_ok(seq_lens: Any, prompt_lens: Any, lo: Any, hi: Any, tids: Any, finish: Any,
@@ -137,6 +175,8 @@ def _extras(data: dict[str, Any]) -> tuple[dict, dict] | None:
 
 
 EPISODE_LISTS = ("num_turns", "tool_s", "env_s")
+OPTIONAL_LISTS = (*EPISODE_LISTS, "version_spans")
+"""Per-group lists that stay off the wire when empty."""
 
 
 def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | None:
@@ -155,6 +195,19 @@ def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | No
                 return None
         out.append(value)
     return out[0], out[1], out[2]
+
+
+def _components(data: dict[str, Any], n: int) -> dict[str, list[float]] | None:
+    """`reward_components` ({} when absent) if it maps strings to n finite floats each."""
+    components = data["reward_components"] if "reward_components" in data else {}
+    if type(components) is not dict:
+        return None
+    for name, values in components.items():
+        if type(name) is not str or type(values) is not list or len(values) != n:
+            return None
+        if set(map(type, values)) != _FLOAT or not _isfinite(sum(values)):
+            return None
+    return components
 
 
 def _arrays(rt: Any, rm: Any, rl: Any, num_tokens: int, num_completion: int,
@@ -235,11 +288,25 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
             raise ProtocolError(prefix + name, f"has {len(g[name])} entries for {n} trajectories")
     if g["num_turns"] and min(g["num_turns"]) < 0:
         raise ProtocolError(prefix + "num_turns", "must be >= 0")
+    completion = [a - b for a, b in zip(seq_lens, prompt_lens, strict=True)]
+    problem = spans_problem(g["version_spans"], lo, hi, completion)
+    if problem:
+        raise ProtocolError(prefix + "version_spans", problem)
+    for name, values in g["reward_components"].items():
+        if type(name) is not str or type(values) is not list or len(values) != n:
+            raise ProtocolError(prefix + "reward_components", "must map names to one value each")
+        g["reward_components"][name] = _decode_floats(values, prefix + "reward_components")
     timings = g["timings"]
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(_isfinite, timings.values()))
     ):
         raise ProtocolError(prefix + "timings", "must map names to finite numbers")
+
+
+def _decode_floats(values: list[Any], path: str) -> list[float]:
+    if not set(map(type, values)) <= _NUM or not all(map(_isfinite, values)):
+        raise ProtocolError(path, "must hold finite numbers only")
+    return [float(v) for v in values]
 
 
 def _check_values(tokens: np.ndarray, mask: np.ndarray, lp: np.ndarray, prefix: str) -> None:
@@ -256,9 +323,11 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
-    for name in EPISODE_LISTS:
+    for name in OPTIONAL_LISTS:
         if not out[name]:
             del out[name]  # not recorded: off the wire, as before these fields existed
+    if not out["reward_components"]:
+        del out["reward_components"]
     for name, dtype, dtype_name in _ENCODED_ARRAYS:
         arr = _contiguous(out[name], dtype=dtype)  # the array itself when it already is
         out[name] = {"dtype": dtype_name, "shape": list(arr.shape), "frame": len(frames)}

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,6 +62,7 @@ from learner.parallel import (
     unpack_batch,
 )
 from learner.publish import ShardedSource, gather_all, sharded_digest
+from learner.reward_monitor import RewardMonitor
 from learner.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from learner.step import StepRunner
 
@@ -78,6 +80,7 @@ class Learner:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.reward_monitor = RewardMonitor(cfg.reward, run_dir, log=_print_line)
         self.conn = conn  # rank 0 only: the other ranks never talk to the hub
         self.model_dir = model_dir
         self.ranks = ranks
@@ -141,6 +144,7 @@ class Learner:
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
             row = self.step_metrics(batch, metrics, wait_s, step_s)
+            row.update(self.reward_monitor.step(self.step, batch.groups, row))
             log.log(self.step, row)
             if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
                 self.live.publish({**row, "step": self.step})
@@ -297,6 +301,7 @@ class Learner:
             "num_actors": len(self.members),
             **{k: v for k, v in loss_stats.items() if k != "num_tokens"},
             **episode_metrics(groups),
+            **version_metrics(groups, self.policy_version - 1, self.cfg.replay.max_staleness),
         }
 
     def checkpoint(self) -> Path:
@@ -419,6 +424,27 @@ def episode_metrics(groups: Sequence[Group]) -> dict[str, float]:
     return out
 
 
+def version_metrics(groups: Sequence[Group], version: int, eta: int) -> dict[str, Any]:
+    """Staleness (`version` minus the producing version) counted per trajectory (its oldest
+    token, what the hub's bound uses) and per model token; and the share of trajectories
+    made by more than one version (in-flight updates, multi-turn episodes)."""
+    per_traj, per_token, mixed = [], np.zeros(eta + 2, np.int64), 0
+    for g in groups:
+        for t in g.trajectories():
+            per_traj.append(version - t.min_policy_version)
+            mixed += t.max_policy_version > t.min_policy_version
+            ages = version - t.token_versions()[t.loss_mask.astype(bool)]
+            per_token += np.bincount(np.clip(ages, 0, eta + 1), minlength=eta + 2)
+    return {
+        "staleness_hist_trajectories": _histogram(per_traj, eta),
+        "staleness_hist_tokens": per_token.tolist(),
+        "staleness_tokens_mean": float(
+            (per_token * np.arange(eta + 2)).sum() / max(per_token.sum(), 1)
+        ),
+        "mixed_version_frac": mixed / max(len(per_traj), 1),
+    }
+
+
 def _histogram(values: Sequence[int], max_staleness: int) -> list[int]:
     hist = [0] * (max_staleness + 2)
     for v in values:
@@ -447,3 +473,7 @@ def train_device(choice: str, local_rank: int) -> torch.device:
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)

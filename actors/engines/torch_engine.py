@@ -12,6 +12,19 @@ One `generate` call samples every request's `n` completions as one batch:
   +---- forward the sampled tokens of the rows still running (one token each, cached)
 ```
 
+KV caches across calls (multi-turn episodes): a request may name keys under which its samples'
+caches are kept when they finish (`cache_keys`) and a kept cache to continue (`resume_key`);
+the prefill then covers only the tokens after the cached ones (actors/engines/kv_store.py).
+Loading weights drops every kept cache.
+
+In-flight weight updates: with `between_steps` set, the engine calls it after every sampled
+token; when that call loaded new weights (`load_weights`), the KV cache of the rows still
+running is recomputed under the new weights (one prefill over prompt + tokens so far), so each
+later token is sampled from exactly the new version given its context, and its behaviour
+logprob is that version's. The recompute costs one prefill per update and generate call
+(`inflight_recompute_s` adds its seconds up); keeping the old cache would be free but make a
+token's distribution a mix of two versions that no learner can recompute.
+
 Prompts of different lengths share the batch through left padding, an attention mask and
 position ids counted over real tokens only, so a row's logprobs do not depend on its
 neighbours. Sampling noise comes from the request's own generator when `seed` is set (the
@@ -22,7 +35,8 @@ sampled from, after temperature and top-p, which is what importance correction n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from actors.engines.base import GenerationRequest, Sample
+from actors.engines.kv_store import KvStore, batched_cache, row_entry
 from asyncrl.weights.hf_layout import checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,6 +85,15 @@ class TorchEngine:
         # checkpoint names (MoE experts one by one, as views into the fused parameters)
         self._params = dict(checkpoint_tensors(model.named_parameters(remove_duplicate=False)))
         self._policy_version = 0
+        self.between_steps: Callable[[], None] | None = None
+        """Called between decoding steps (in-flight weight updates; see the module doc)."""
+        self.inflight_recompute_s = 0.0
+        """Seconds spent recomputing KV caches after in-flight weight updates."""
+        self.inflight_updates = 0
+        """Weight updates applied while sequences were in flight."""
+        self.kv = KvStore()
+        """KV caches kept between calls for requests that name `cache_keys`."""
+        self.supports_kv_reuse = True
 
     @property
     def policy_version(self) -> int:
@@ -114,6 +138,7 @@ class TorchEngine:
             for name, tensor in updates:
                 self._params[name].copy_(tensor)
         self._policy_version = int(policy_version)
+        self.kv.clear()  # computed by the old weights
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the model holds now, under Hugging Face names, as CPU copies.
@@ -135,12 +160,12 @@ class TorchEngine:
         for i, req in enumerate(requests):
             _check_request(i, req)
         with torch.inference_mode():
-            tokens, logprobs, lengths, stopped = self._sample_batch(requests)
-        return self._to_samples(requests, tokens, logprobs, lengths, stopped)
+            tokens, logprobs, lengths, stopped, versions = self._sample_batch(requests)
+        return self._to_samples(requests, tokens, logprobs, lengths, stopped, versions)
 
     def _sample_batch(
         self, requests: Sequence[GenerationRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         dev = self._device
         row_req = torch.repeat_interleave(
             torch.arange(len(requests), device=dev),
@@ -155,8 +180,8 @@ class TorchEngine:
             i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None
         }
 
-        cache = DynamicCache(config=self.model.config)
-        logits, mask = self._prefill(requests, cache)
+        keeping = any(r.cache_keys for r in requests)
+        cache, logits, mask = self._prefill_reusing(requests)
         cache.batch_select_indices(row_req)
         logits, mask = logits[row_req], mask[row_req]
         positions = mask.sum(dim=1, keepdim=True) - 1
@@ -166,14 +191,19 @@ class TorchEngine:
         lengths = torch.zeros(num_rows, dtype=torch.long, device=dev)
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
         active = torch.arange(num_rows, device=dev)  # rows still running, in batch order
+        versions = None  # [rows, max_new] once weights change mid-generation
         for step in range(max_new):
             noise = self._noise(row_req, seeded, logits.shape[-1])[active]
             token, logprob = _sample(logits, temps[active], top_ps[active], noise)
             out_tokens[active, step], out_logprobs[active, step] = token, logprob
+            if versions is not None:
+                versions[active, step] = self._policy_version
             lengths[active] = step + 1
             hit_stop = (token.unsqueeze(1) == stop_table[active]).any(dim=1)
             stopped[active] = hit_stop
             keep = ~hit_stop & (row_max[active] > step + 1)
+            if keeping:
+                self._keep_caches(requests, row_req, active, keep, cache, mask, out_tokens, step)
             if not bool(keep.any()):
                 break
             if not bool(keep.all()):
@@ -186,8 +216,101 @@ class TorchEngine:
                 )
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             positions = positions + 1
+            version = self._policy_version
+            if self.between_steps is not None:
+                self.between_steps()
+            if self._policy_version != version:  # new weights: recompute the cache under them
+                if versions is None:
+                    versions = torch.full(
+                        (num_rows, max_new), version, dtype=torch.int32, device=dev
+                    )
+                cache, logits, mask = self._recompute(
+                    requests, row_req, active, out_tokens, step + 1
+                )
+                positions = mask.sum(dim=1, keepdim=True) - 1
+                continue
             logits = self._forward(token.unsqueeze(1), mask, positions, cache)
-        return out_tokens, out_logprobs, lengths, stopped
+        return out_tokens, out_logprobs, lengths, stopped, versions
+
+    def _recompute(
+        self,
+        requests: Sequence[GenerationRequest],
+        row_req: torch.Tensor,
+        active: torch.Tensor,
+        out_tokens: torch.Tensor,
+        done: int,
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """A fresh KV cache of the running rows' prompt + first `done` tokens under the weights
+        loaded now, the logits of their next token and the attention mask (rows in order)."""
+        start = time.perf_counter()
+        rows = [
+            GenerationRequest(
+                prompt_tokens=[
+                    *requests[int(row_req[r])].prompt_tokens,
+                    *out_tokens[r, :done].tolist(),
+                ],
+            )  # fmt: skip
+            for r in active.tolist()
+        ]
+        cache = DynamicCache(config=self.model.config)
+        logits, mask = self._prefill(rows, cache)
+        self.inflight_recompute_s += time.perf_counter() - start
+        self.inflight_updates += 1
+        return cache, logits, mask
+
+    def _prefill_reusing(
+        self, requests: Sequence[GenerationRequest]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """`_prefill`, continuing kept caches where requests name usable ones: the cached
+        tokens right-aligned, then each request's new tokens left-padded after them."""
+        entries = [self.kv.take(r.resume_key, r.prompt_tokens, self._policy_version)
+                   for r in requests]  # fmt: skip
+        if all(e is None for e in entries):
+            cache = DynamicCache(config=self.model.config)
+            logits, mask = self._prefill(requests, cache)
+            return cache, logits, mask
+        num_layers = self.model.config.num_hidden_layers
+        cache, cached_mask, lengths = batched_cache(entries, num_layers, self.model.config)
+        rest = [list(r.prompt_tokens)[n:] for r, n in zip(requests, lengths, strict=True)]
+        width = max(len(t) for t in rest)
+        ids = torch.full((len(requests), width), self._pad_id, dtype=torch.long)
+        new_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        positions = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, (tokens, n) in enumerate(zip(rest, lengths, strict=True)):
+            ids[i, width - len(tokens) :] = torch.as_tensor(tokens, dtype=torch.long)
+            new_mask[i, width - len(tokens) :] = 1
+            positions[i, width - len(tokens) :] = torch.arange(n, n + len(tokens))
+        mask = torch.cat([cached_mask, new_mask.to(self._device)], dim=1)
+        logits = self._forward(ids.to(self._device), mask, positions.to(self._device), cache)
+        return cache, logits, mask
+
+    def _keep_caches(
+        self,
+        requests: Sequence[GenerationRequest],
+        row_req: torch.Tensor,
+        active: torch.Tensor,
+        keep: torch.Tensor,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        out_tokens: torch.Tensor,
+        step: int,
+    ) -> None:
+        """Keep the caches of the rows that finish at this step (their last sampled token is
+        not in the cache: the next request brings it with the new tokens)."""
+        first_row = torch.cumsum(torch.tensor([0] + [r.n for r in requests[:-1]]), 0)
+        for pos in (~keep).nonzero().squeeze(1).tolist():
+            row = int(active[pos])
+            req_index = int(row_req[row])
+            request = requests[req_index]
+            if not request.cache_keys:
+                continue
+            key = request.cache_keys[row - int(first_row[req_index])]
+            tokens = [*request.prompt_tokens, *out_tokens[row, :step].tolist()]
+            self.kv.save(key, row_entry(cache, pos, mask[pos], tokens, self._policy_version))
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Forget the caches kept under these keys (their sequences will not continue)."""
+        self.kv.release(keys)
 
     def _prefill(
         self, requests: Sequence[GenerationRequest], cache: DynamicCache
@@ -237,8 +360,10 @@ class TorchEngine:
         logprobs: torch.Tensor,
         lengths: torch.Tensor,
         stopped: torch.Tensor,
+        versions: torch.Tensor | None = None,
     ) -> list[list[Sample]]:
         tokens_np = tokens.cpu().numpy().astype(np.int32)
+        versions_np = None if versions is None else versions.cpu().numpy().astype(np.int32)
         logprobs_np = logprobs.cpu().numpy()
         lengths_np, stopped_np = lengths.cpu().numpy(), stopped.cpu().numpy()
         results: list[list[Sample]] = []
@@ -247,12 +372,16 @@ class TorchEngine:
             group = []
             for _ in range(req.n):
                 length = int(lengths_np[row])
+                row_versions = None if versions_np is None else versions_np[row, :length].copy()
                 group.append(
                     Sample(
                         completion_tokens=tokens_np[row, :length].copy(),
                         logprobs=logprobs_np[row, :length].copy(),
                         finish_reason="stop" if stopped_np[row] else "length",
-                        policy_version=self._policy_version,
+                        policy_version=(
+                            self._policy_version if row_versions is None else int(row_versions[0])
+                        ),
+                        versions=row_versions,
                     )
                 )
                 row += 1

@@ -74,16 +74,20 @@ def groups(draw: st.DrawFn) -> Group:
         )
         mask = draw(st.lists(st.integers(0, 1), min_size=clen, max_size=clen))
         lp = draw(st.lists(st.floats(-50, 0, width=32), min_size=clen, max_size=clen))
+        hi = lo + (draw(st.integers(0, 3)) if clen >= 2 else 0)
+        spans = (0, lo, draw(st.integers(1, clen - 1)), hi) if hi > lo else ()
         trajectories.append(Trajectory(
             tokens=np.array(tokens, np.int32), prompt_len=plen, loss_mask=np.array(mask, np.uint8),
             behavior_logprobs=np.array(lp, np.float32), reward=draw(floats), min_policy_version=lo,
-            max_policy_version=lo + draw(st.integers(0, 3)), finish_reason=draw(st.sampled_from(FINISH_REASONS)),
-            trajectory_id=draw(texts), reward_failed=draw(texts),
+            max_policy_version=hi, finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+            trajectory_id=draw(texts), reward_failed=draw(texts), version_spans=spans,
         ))  # fmt: skip
     return Group.build(
         group_id=draw(texts), prompt_id=draw(texts), credit_id=draw(ints), actor_id=draw(texts),
         seq=draw(ints), trajectories=trajectories, metadata=draw(maps),
         timings=draw(st.dictionaries(texts, floats, max_size=3)),
+        reward_components=draw(st.dictionaries(texts, st.lists(floats, min_size=n, max_size=n),
+                                               max_size=3)),
     )  # fmt: skip
 
 
@@ -557,6 +561,29 @@ def test_fast_path_refuses_what_the_generic_path_refuses() -> None:
     assert rejected(edited(GROUP, timings={"t": math.nan})).field == "timings"
     assert rejected(edited(GROUP, prompt_lens=[6])).field == "prompt_lens"
     assert rejected(edited(GROUP, max_policy_versions=[1])).field == "min_policy_versions"
+
+
+def test_version_spans_must_describe_the_versions() -> None:
+    traj = Trajectory(tokens=np.arange(7, dtype=np.int32), prompt_len=2,
+                      loss_mask=np.ones(5, np.uint8), behavior_logprobs=np.zeros(5, np.float32),
+                      reward=1.0, min_policy_version=3, max_policy_version=5,
+                      finish_reason="stop", version_spans=(0, 3, 2, 4, 4, 5))  # fmt: skip
+    group = Group.build(group_id="g", prompt_id="p", credit_id=1, actor_id="a", seq=0,
+                        trajectories=[traj, dataclasses.replace(traj, version_spans=(0, 3, 1, 5))])  # fmt: skip
+    assert group.version_spans == [0, 0, 3, 0, 2, 4, 0, 4, 5, 1, 0, 3, 1, 1, 5]
+    back = decode(wire(group))
+    assert back.trajectories()[0].token_versions().tolist() == [3, 3, 4, 4, 5]
+    assert back.trajectories()[1].token_versions().tolist() == [3, 5, 5, 5, 5]
+    bad = [
+        [0, 0, 3, 0, 2, 4],  # trajectory 0 never reaches its max version
+        [0, 1, 3, 0, 2, 5, 1, 0, 3, 1, 1, 5],  # does not start at token 0
+        [0, 0, 3, 0, 9, 5, 1, 0, 3, 1, 1, 5],  # past the completion
+        [0, 0, 3, 0, 2, 5, 0, 1, 4, 1, 0, 3, 1, 1, 5],  # tokens go back
+        [0, 0, 3, 0, 2, 5, 1, 0, 3, 1, 1, 5, 7],  # not triples
+        [0, 0, 3, 0, 2, 5, 9, 0, 3],  # no such trajectory
+    ]
+    for spans in bad:
+        assert rejected(edited(group, version_spans=spans)).field == "version_spans", spans
     assert decode(edited(GROUP, rewards=[1])).rewards == [1.0]  # ints are numbers
 
 
@@ -570,3 +597,41 @@ def test_batches_from_the_hub_skip_only_the_value_scan() -> None:
     with pytest.raises(ProtocolError) as info:
         decode([*frames[:3], frames[3][:-1]], check_values=False)
     assert info.value.field == "groups[0].behavior_logprobs"
+
+
+def test_reward_components_ride_on_the_group_wire() -> None:
+    assert "reward_components" not in header(GROUP)  # the Group golden bytes are unchanged
+    group = dataclasses.replace(GROUP, reward_components={"task": [1.0], "judge": [0.5]})
+    frames = wire(group)
+    assert frames[0].hex() == GOLDEN_COMPONENTS_HEADER
+    assert same(decode(frames), group)
+    assert decode(wire(GROUP)).reward_components == {}
+
+
+def test_reward_components_must_be_one_finite_number_per_trajectory() -> None:
+    assert rejected(edited(GROUP, reward_components={"task": [1.0, 2.0]})).field == (
+        "reward_components"
+    )
+    assert rejected(edited(GROUP, reward_components={"task": [math.nan]})).field == (
+        "reward_components"
+    )
+    assert rejected(edited(GROUP, reward_components={"task": ["1"]})).field == "reward_components"
+    assert rejected(edited(GROUP, reward_components=[1.0])).field == "reward_components"
+    assert decode(edited(GROUP, reward_components={"task": [1]})).reward_components == {
+        "task": [1.0]
+    }  # ints are numbers
+
+
+GOLDEN_COMPONENTS_HEADER = (
+    "de0015a867726f75705f6964a3612f31a970726f6d70745f6964a27031a96372656469745f696407a86163"
+    "746f725f6964a161a373657101ae7472616a6563746f72795f69647391a5612f312f30a87365715f6c656e"
+    "739105ab70726f6d70745f6c656e739103a77265776172647391cb3ff0000000000000b36d696e5f706f6c"
+    "6963795f76657273696f6e739102b36d61785f706f6c6963795f76657273696f6e739103ae66696e697368"
+    "5f726561736f6e7391a473746f70ad7265776172645f6661696c656491a0a6746f6b656e7383a564747970"
+    "65a5696e743332a573686170659105a56672616d6501a96c6f73735f6d61736b83a56474797065a575696e"
+    "7438a573686170659102a56672616d6502b16265686176696f725f6c6f6770726f627383a56474797065a7"
+    "666c6f61743332a573686170659102a56672616d6503a86d6574616461746181a3656e76a4736f7274a774"
+    "696d696e677381aa67656e65726174655f73cb3fd0000000000000b17265776172645f636f6d706f6e656e"
+    "747382a47461736b91cb3ff0000000000000a56a7564676591cb3fe0000000000000a474797065a547726f"
+    "7570a870726f746f636f6c01"
+)
