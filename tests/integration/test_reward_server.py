@@ -43,7 +43,7 @@ COMPLETIONS = ["1134<eos>", "0789<eos>", "21", "55555555<eos>", ""]
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny sort reward model, built once per test session (shared base temp dir)."""
+    """The tiny sort reward model, built once per pytest run (shared base temp dir)."""
     return ensure_reward_model(tmp_path_factory.getbasetemp() / "reward-models")
 
 
