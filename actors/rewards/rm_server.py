@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -338,12 +339,16 @@ def main(argv: Sequence[str]) -> int:
     """`asyncrl reward-server`: load the model, bind, serve until SIGTERM."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
-    cfg = load_config(args.config, _overrides(args)).reward_model
-    if not cfg.model:
-        raise ValueError("asyncrl reward-server: give --model DIR or set reward_model.model")
-    model = RewardModel(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                        max_length_tokens=cfg.max_length_tokens)  # fmt: skip
-    server = RewardServer(cfg, model, allow_insecure=args.allow_insecure)
+    try:  # a bad flag, key or model directory: its message, no traceback
+        cfg = load_config(args.config, _overrides(args)).reward_model
+        if not cfg.model:
+            raise ValueError("give --model DIR or set reward_model.model")
+        model = RewardModel(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                            max_length_tokens=cfg.max_length_tokens)  # fmt: skip
+        server = RewardServer(cfg, model, allow_insecure=args.allow_insecure)
+    except ValueError as exc:
+        print(f"asyncrl reward-server: {exc}", file=sys.stderr)
+        return 2
     if args.endpoint_file:
         write_atomic(Path(args.endpoint_file), server.endpoint + "\n")
     print(f"asyncrl reward-server: serving {model.model_dir} ({model.model_hash}) on "

@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,7 +31,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from actors.envs.sort_task import answer_for, render_prompt
 from actors.rewards.sort_verifier import SortVerifier
-from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab
+from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_once, build_tokenizer, vocab
 
 BUILD_FORMAT = 1
 
@@ -58,22 +55,8 @@ def ensure_reward_model(cache_dir: str | Path, num_digits: int = 4) -> Path:
     """The tiny sort reward model's directory under `cache_dir`, built on first use."""
     settings = FitSettings(num_digits=num_digits)
     blob = json.dumps(asdict(settings), sort_keys=True).encode()
-    cache = Path(cache_dir).expanduser()
-    final = cache / f"tiny-sort-rm-{hashlib.sha256(blob).hexdigest()[:16]}"
-    if (final / "config.json").is_file():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=cache))
-    try:
-        build(settings, tmp)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, final)  # atomic; fails if another process renamed its build in first
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = Path(cache_dir).expanduser() / f"tiny-sort-rm-{hashlib.sha256(blob).hexdigest()[:16]}"
+    return build_once(final, lambda tmp: build(settings, tmp))
 
 
 def sample_completion(rng: random.Random, digits: str) -> str:

@@ -43,7 +43,7 @@ COMPLETIONS = ["1134<eos>", "0789<eos>", "21", "55555555<eos>", ""]
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny sort reward model, built once per test session (shared base temp dir)."""
+    """The tiny sort reward model, built once per pytest run (shared base temp dir)."""
     return ensure_reward_model(tmp_path_factory.getbasetemp() / "reward-models")
 
 
@@ -389,3 +389,10 @@ def test_bad_config_values_name_their_key(key: str) -> None:
 
     with pytest.raises(ValueError, match=f"reward_model.{key}"):
         RewardModelConfig(**{key: 0})
+
+
+def test_the_command_names_a_bad_model_directory(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(tmp_path / "none")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 2
+    assert "--model" in done.stderr and "not a Hugging Face model directory" in done.stderr
