@@ -109,6 +109,10 @@ class TimedEngine:
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.seconds = inner, 0.0
+        self.supports_kv_reuse = getattr(inner, "supports_kv_reuse", False)
+
+    def release(self, keys: Sequence[str]) -> None:
+        self.inner.release(keys)
 
     @property
     def policy_version(self) -> int:
