@@ -58,6 +58,8 @@ class Hello:
     config_hash: str
     concurrency: int = 0  # groups an actor generates at once (its credit window)
     batched_acks: bool = _appended(False)  # the client understands `Ack.seqs`
+    session: int = _appended(0)  # random per connection object; a new one = a restarted client
+    acks_batches: bool = _appended(False)  # a learner that sends BatchAck once it trained a batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,7 @@ class Welcome:
     policy_version: int
     heartbeat_interval_s: float
     max_staleness: int
+    next_seq: int = _appended(0)  # the lowest seq this hub has not taken from this client id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +343,16 @@ class Bye:
     reason: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class BatchAck:
+    """The learner trained on the batch of `request_id` and on every batch it requested
+    before (cumulative): the hub forgets their groups. Until then it lends them, and gives
+    them out again if this learner's session ends."""
+
+    TYPE: ClassVar[str] = "BatchAck"
+    request_id: int
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
@@ -358,6 +371,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Stats,
     Error,
     Bye,
+    BatchAck,
 )
 Message = (
     Hello
@@ -377,6 +391,7 @@ Message = (
     | Stats
     | Error
     | Bye
+    | BatchAck
 )
 
 

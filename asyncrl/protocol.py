@@ -42,6 +42,7 @@ from asyncrl.messages import (
     ROLES,
     Ack,
     Batch,
+    BatchAck,
     Bye,
     CreditItem,
     CreditReturn,
@@ -66,7 +67,7 @@ from asyncrl.messages import (
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "ROLES",
-    "Ack", "Batch", "Bye", "CreditItem", "CreditReturn", "Credits", "Error", "Group",
+    "Ack", "Batch", "BatchAck", "Bye", "CreditItem", "CreditReturn", "Credits", "Error", "Group",
     "Heartbeat", "Hello", "Members", "Message", "ProtocolError", "SampleRequest", "Stats",
     "StatsRequest", "Trajectory", "Version", "WeightsAnnounce", "WeightsLoaded", "Welcome",
     "check_hello", "decode", "encode",
