@@ -1,50 +1,51 @@
-"""The rollout actor: credits in, scored and versioned groups out, new weights swapped in.
+"""The rollout actor: credits in, episodes run, scored and versioned groups out, weights in.
 
 ```
    hub --Credits--------> [I/O thread] --inbox--> main loop (this file)
    hub --WeightsAnnounce> [I/O thread] --> WeightReceiver thread (gloo/nccl, buckets)
                                                     |
-   main loop, once per generation round:            v  (newest complete version)
+   main loop, one iteration per generation wave:    v  (newest complete version)
      1. swap in received weights  <---------- receiver.poll()   -> WeightsLoaded to hub
-     2. take up to actor.concurrency credits (the window already holds the next round's)
-     3. engine.generate(one request per credit, n = group_size)
-     4. decode all samples at once, score each with the task's verifier (a failing verifier
-        marks the sample), build one columnar Group per credit
-     5. push the groups (the I/O thread sends them; acks come back to it)
+     2. take credits, up to actor.concurrency groups in flight (the window holds the next)
+     3. start their episodes: group_size per credit (actors/episodes.py)
+     4. advance: ONE engine.generate for every episode awaiting the model; environment
+        steps and tool calls on the worker pool (actor.env_workers), never blocking the others
+     5. score the groups whose episodes all ended (one call per wave)
+     6. build one columnar Group per credit and push it (the I/O thread sends; acks return)
    back-pressure: the hub grants credits only as admission allows (η, the learner's version and
    the version this actor reported loading), so with a small η the actor waits at 2 instead of
    producing samples that would be dropped; weights arriving meanwhile wake it (1, then 2).
 ```
 
 The actor asks the hub for `actor.num_window_credits` credits (2 × concurrency by default) but
-generates at most `concurrency` groups per round: the next round's credits arrive while the
-current round generates, so no hub round trip sits between rounds. Scoring stays on the main
-thread on purpose: on a scoring thread it overlapped with generation but competed with it for
-the GIL, and the actor loop lost more throughput than it gained (bench/engine.py measures the
-loop against the bare engine). Weights are only swapped between rounds, so every sample of a
-round carries min_policy_version == max_policy_version == the engine's version during that
-round. SIGTERM finishes the current round, pushes it, returns unused credits (their prompts are
-re-issued at once) and says Bye; the exit code is 0.
+keeps at most `concurrency` groups in flight: the next credits arrive while the current ones
+generate, so no hub round trip sits between waves. A single-turn task (sort) runs a whole round
+in one wave: one engine call with n = group_size per credit, scored on the main thread (its
+verifier is quicker than a hand-off to a thread, which also competed with generation for the
+GIL: bench/engine.py measures the loop against the bare engine). Weights are swapped only
+between waves, so a single-turn sample has min_policy_version == max_policy_version; an episode
+over several waves may span versions, and its trajectory says so. SIGTERM finishes the episodes
+in flight, pushes them, returns unused credits (their prompts are re-issued at once) and says
+Bye; the exit code is 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import faulthandler
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from actors.engines.base import Engine, GenerationRequest, Sample
-from actors.rewards.base import Verifier, safe_score
+from actors.engines.base import Engine, GenerationRequest
+from actors.envs.base import Env
+from actors.envs.data import from_credit
+from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
 from asyncrl.config import ActorConfig, RunConfig, load_config
 from asyncrl.metrics import LiveMetrics
 from asyncrl.metrics import start as start_metrics
@@ -54,6 +55,7 @@ from asyncrl.protocol import (
     Credits,
     Error,
     Group,
+    Trajectory,
     WeightsAnnounce,
     WeightsLoaded,
 )
@@ -64,11 +66,10 @@ ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s
                   "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
                   "credits_returned", "wait_weights_s")  # fmt: skip
 """Actor statistics that only grow (exported as Prometheus counters)."""
-ROUND_RECORDS = 4096  # rounds whose generate time the status file keeps (the latest ones)
 
 
 class Actor:
-    """One rollout actor process: a hub connection, an engine, a verifier, a weight receiver."""
+    """One rollout actor process: a hub connection, an engine, episodes, a weight receiver."""
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class Actor:
         conn: HubConnection,
         engine: Engine,
         tokenizer: Any,
-        verifier: Verifier,
+        make_env: Callable[[], Env],
         receiver: Any | None = None,
     ) -> None:
         self.cfg = cfg
@@ -86,33 +87,22 @@ class Actor:
         self.conn = conn
         self.engine = engine
         self.tokenizer = tokenizer
-        self.verifier = verifier
         self.receiver = receiver
+        self.episodes = EpisodeRunner(
+            engine, tokenizer, make_env, EpisodeLimits.from_config(cfg), cfg.actor.env_workers
+        )
         self.stop_event = threading.Event()
         self.pending: list[CreditItem] = []
         self.group_size = cfg.actor.group_size
         self.seq = 0
         self.stats: dict[str, float] = {
-            "rounds": 0,
-            "groups_pushed": 0,
-            "samples": 0,
-            "tokens": 0,
-            "wait_credit_s": 0.0,
-            "generate_s": 0.0,
-            "reward_s": 0.0,
-            "weights_loaded": 0,
-            "weights_load_s": 0.0,
-            "reward_failures": 0,
-            "credits_returned": 0,
-            "wait_weights_s": 0.0,
-            "wall_s": 0.0,
-        }
-        self.round_generate_s: collections.deque[float] = collections.deque(maxlen=ROUND_RECORDS)
-        """engine.generate seconds of the latest rounds (their spread feeds the simulator)."""
+            "groups_pushed": 0, "samples": 0, "tokens": 0, "wait_credit_s": 0.0,
+            "reward_s": 0.0, "weights_loaded": 0, "weights_load_s": 0.0, "reward_failures": 0,
+            "credits_returned": 0, "wait_weights_s": 0.0, "wall_s": 0.0,
+        }  # fmt: skip
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.started = time.perf_counter()
-        self.eos_id = int(tokenizer.eos_token_id)
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
             receiver.on_ready = conn.interrupt  # an actor idle without credits swaps at once
@@ -128,22 +118,22 @@ class Actor:
     # --- the main loop ------------------------------------------------------------------------
 
     def run(self, max_groups: int = 0) -> None:
-        """Generate until stopped (or `max_groups` generated); then swap in the last received
-        weights and return the credits left unused."""
-        generated = 0
+        """Generate until stopped (or `max_groups` groups pushed); then finish the episodes in
+        flight, swap in the last received weights and return the credits left unused."""
+        started = 0
         while not self.stop_event.is_set():
             self.swap_weights()
-            credits = self.take_credits()
-            if not credits:
+            credits = self.take_credits(limit=max_groups - started if max_groups else None)
+            started += len(credits)
+            self.start_episodes(credits)
+            if not self.episodes.num_groups:
                 continue
-            self.wait_for_weights()
-            for group in self.rollout(credits):
-                self.conn.send(group)
-                self.stats["groups_pushed"] += 1
-            generated += len(credits)
+            self.send(self.make_groups(self.score(self.episodes.advance())))
             self.publish_metrics()
-            if max_groups and generated >= max_groups:
+            if max_groups and self.stats["groups_pushed"] >= max_groups:
                 break
+        while self.episodes.num_groups:  # finish what is in flight (bounded by its limits)
+            self.send(self.make_groups(self.score(self.episodes.advance())))
         self.swap_weights()  # the last announced weights, if they arrived meanwhile
         self.return_credits()  # last: the caller closes the connection (Bye) right after
 
@@ -153,9 +143,10 @@ class Actor:
         """A snapshot for the live /metrics endpoint (when [metrics] turns it on)."""
         if self.live is None:
             return
-        gen_s = self.stats["generate_s"]
-        self.live.publish({**self.stats, "policy_version": self.engine.policy_version,
-                           "tokens_per_s": self.stats["tokens"] / gen_s if gen_s else 0.0})  # fmt: skip
+        stats = self.status_stats()
+        gen_s = stats["generate_s"]
+        self.live.publish({**stats, "policy_version": self.engine.policy_version,
+                           "tokens_per_s": stats["tokens"] / gen_s if gen_s else 0.0})  # fmt: skip
 
     def swap_weights(self) -> None:
         """At a generation boundary: load the newest fully received weights, if any."""
@@ -178,8 +169,9 @@ class Actor:
         The hub already sizes this actor's credits by the weights it reported loading, so this
         rarely waits; it covers an actor whose weights are far behind the learner's (a late
         joiner, a run resumed at version v with actors on their initial weights), whose groups
-        would only be dropped as stale. The time is reported as `wait_weights_s`. Bounded by weights.timeout_s: if weights do
-        not come (a failed broadcast), generate anyway and let the hub's bound decide.
+        would only be dropped as stale. The time is reported as `wait_weights_s`. Bounded by
+        weights.timeout_s: if weights do not come (a failed broadcast), generate anyway and let
+        the hub's bound decide.
         """
         need = self.min_weights_version
         if self.receiver is None or self.engine.policy_version >= need:
@@ -197,15 +189,17 @@ class Actor:
             self.swap_weights()
         self.stats["wait_weights_s"] += time.perf_counter() - start
 
-    def take_credits(self, timeout_s: float = 0.2) -> list[CreditItem]:
-        """Up to `concurrency` held credits; waits (up to timeout_s) only when none is held."""
+    def take_credits(self, timeout_s: float = 0.2, limit: int | None = None) -> list[CreditItem]:
+        """Credits for the room left under `concurrency` groups in flight (at most `limit`);
+        waits (up to timeout_s) only when none is held and no episode is in flight."""
         self.drain_inbox(0.0)
-        if not self.pending:
+        if not self.pending and not self.episodes.num_groups:
             start = time.perf_counter()
             self.drain_inbox(timeout_s)
             self.stats["wait_credit_s"] += time.perf_counter() - start
-        batch = self.cfg.actor.concurrency
-        credits, self.pending = self.pending[:batch], self.pending[batch:]
+        room = self.cfg.actor.concurrency - self.episodes.num_groups
+        room = room if limit is None else min(room, limit)
+        credits, self.pending = self.pending[: max(room, 0)], self.pending[max(room, 0) :]
         return credits
 
     def drain_inbox(self, wait_s: float) -> None:
@@ -229,81 +223,63 @@ class Actor:
                 flush=True,
             )
 
-    def rollout(self, credits: list[CreditItem]) -> list[Group]:
-        """One engine call for every credit of the round; then score and package the samples."""
-        policy_version = self.engine.policy_version
-        requests = [self.request_for(c) for c in credits]
+    def start_episodes(self, credits: Sequence[CreditItem]) -> None:
+        """`group_size` episodes per credit, once the weights are recent enough for them."""
+        if not credits:
+            return
+        self.wait_for_weights()
+        for credit in credits:
+            row = from_credit(credit.prompt_id, credit.prompt, credit.info)
+            self.episodes.start(credit, row, credit.seed, self.group_size)
+
+    def score(self, groups: list[EpisodeGroup]) -> list[tuple[EpisodeGroup, list[float]]]:
+        """The reward of every episode of these finished groups (one call per wave): the
+        environment's task reward (its verifier ran in its last step)."""
         start = time.perf_counter()
-        outputs = self.engine.generate(requests)
-        gen_s = time.perf_counter() - start
-        self.stats["generate_s"] += gen_s
-        self.stats["rounds"] += 1
-        self.round_generate_s.append(gen_s)
-        return self.make_groups(credits, requests, outputs, policy_version, gen_s)
+        scored = [(g, [e.reward for e in g.episodes]) for g in groups]
+        self.stats["reward_s"] += time.perf_counter() - start
+        return scored
 
-    def request_for(self, credit: CreditItem) -> GenerationRequest:
-        prompt_tokens = self.tokenizer(credit.prompt)["input_ids"]
-        return generation_request(
-            self.cfg.actor, prompt_tokens, self.group_size, self.eos_id, credit.seed
-        )
+    def make_groups(self, scored: list[tuple[EpisodeGroup, list[float]]]) -> list[Group]:
+        """One columnar Group per finished credit."""
+        return [self.make_group(group, rewards) for group, rewards in scored]
 
-    def make_groups(
-        self,
-        credits: Sequence[CreditItem],
-        requests: Sequence[GenerationRequest],
-        outputs: Sequence[Sequence[Sample]],
-        policy_version: int,
-        gen_s: float,
-    ) -> list[Group]:
-        """Score every sample of a round (one batched decode) and build one Group per credit."""
-        start = time.perf_counter()
-        flat = [s.completion_tokens.tolist() for samples in outputs for s in samples]
-        texts = iter(self.tokenizer.batch_decode(flat, skip_special_tokens=False))
-        groups = []
-        for credit, request, samples in zip(credits, requests, outputs, strict=True):
-            completions = [next(texts) for _ in samples]
-            groups.append(self.make_group(credit, request, samples, completions, policy_version))
-        reward_s = time.perf_counter() - start
-        self.stats["reward_s"] += reward_s
-        for group in groups:
-            group.timings.update(generate_s=gen_s, reward_s=reward_s / len(groups))
-        return groups
-
-    def make_group(
-        self,
-        credit: CreditItem,
-        request: GenerationRequest,
-        samples: Sequence[Sample],
-        completions: Sequence[str],
-        policy_version: int,
-    ) -> Group:
-        """The columnar Group of one credit's samples (no per-sample message objects)."""
-        results = [
-            safe_score(self.verifier, credit.prompt, text, credit.info) for text in completions
-        ]
-        prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
-        lengths = [len(s.completion_tokens) for s in samples]
-        num = len(samples)
-        failures = [r.failed for r in results]
-        self.stats["reward_failures"] += sum(1 for f in failures if f)
-        self.stats["samples"] += num
-        self.stats["tokens"] += sum(lengths)
+    def make_group(self, group: EpisodeGroup, rewards: list[float]) -> Group:
+        """The Group of one credit's episodes: one trajectory per episode, masks and all."""
+        credit: CreditItem = group.tag
+        trajectories = []
+        for ep, reward in zip(group.episodes, rewards, strict=True):
+            tokens, mask, logprobs = ep.trajectory()
+            version = max(ep.min_version, 0) if ep.num_turns else self.engine.policy_version
+            trajectories.append(Trajectory(
+                tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask,
+                behavior_logprobs=logprobs, reward=reward, min_policy_version=version,
+                max_policy_version=max(ep.max_version, version), finish_reason=ep.finish_reason,
+                reward_failed=ep.reward_failed, num_turns=ep.num_turns, tool_s=ep.tool_s,
+                env_s=ep.env_s,
+            ))  # fmt: skip
+        failures = sum(1 for ep in group.episodes if ep.reward_failed)
+        self.stats["reward_failures"] += failures
+        self.stats["samples"] += len(trajectories)
+        self.stats["tokens"] += sum(int(t.loss_mask.sum()) for t in trajectories)
         group_id = f"{self.actor_id}/{self.seq}"
-        group = Group(
+        counts = {k: sum(ep.counts[k] for ep in group.episodes) for k in ("tool_calls",
+                  "tool_errors", "malformed_calls")}  # fmt: skip
+        out = Group.build(
             group_id=group_id, prompt_id=credit.prompt_id, credit_id=credit.credit_id,
-            actor_id=self.actor_id, seq=self.seq,
-            trajectory_ids=[f"{group_id}/{i}" for i in range(num)],
-            seq_lens=[len(prompt) + n for n in lengths], prompt_lens=[len(prompt)] * num,
-            rewards=[r.reward for r in results],
-            min_policy_versions=[policy_version] * num,
-            max_policy_versions=[policy_version] * num,
-            finish_reasons=[s.finish_reason for s in samples], reward_failed=failures,
-            tokens=np.concatenate([a for s in samples for a in (prompt, s.completion_tokens)]),
-            loss_mask=np.ones(sum(lengths), dtype=np.uint8),
-            behavior_logprobs=np.concatenate([s.logprobs for s in samples], dtype=np.float32),
+            actor_id=self.actor_id, seq=self.seq, trajectories=trajectories,
+            metadata={k: v for k, v in counts.items() if v},
+            timings={"generate_s": group.generate_s,
+                     "env_s": sum(ep.env_s for ep in group.episodes)},
         )  # fmt: skip
         self.seq += 1
-        return group
+        return out
+
+    def send(self, groups: list[Group]) -> None:
+        """Push finished groups to the hub (the I/O thread sends them; acks come back to it)."""
+        for group in groups:
+            self.conn.send(group)
+            self.stats["groups_pushed"] += 1
 
     def return_credits(self) -> None:
         """Hand back credits that will not be used (shutdown), so their prompts are re-issued."""
@@ -313,11 +289,18 @@ class Actor:
             self.stats["credits_returned"] += len(self.pending)
             self.pending = []
 
+    def status_stats(self) -> dict[str, Any]:
+        """The actor's counters with its episodes' (rounds, generate_s, env and tool time,
+        tool calls, finish reasons)."""
+        finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
+        return {**self.stats, **self.episodes.stats, **finish}
+
 
 def generation_request(
     actor: ActorConfig, prompt_tokens: Sequence[int], group_size: int, eos_id: int, seed: int
 ) -> GenerationRequest:
-    """The engine request of one credit: `group_size` samples under the actor's settings."""
+    """A single-turn request: `group_size` samples of a prompt under the actor's settings (what
+    the episode runner asks for a credit's first turn; bench/engine.py's bare engine too)."""
     return GenerationRequest(
         prompt_tokens=prompt_tokens,
         n=group_size,
@@ -375,11 +358,12 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides)
     from transformers import AutoTokenizer
 
-    from actors.rewards.sort_verifier import make_verifier
+    from actors.envs.registry import env_factory
     from asyncrl.tiny_model import ensure_model
     from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
     from asyncrl.weights.receiver import WeightReceiver
 
+    make_env = env_factory(cfg.task)  # an unknown task fails before the engine loads
     model_dir = ensure_model(cfg.model, cfg.task)
     engine = build_engine(cfg, model_dir, seed=cfg.run.seed + 1000 * (args.index + 1))
     plan = BucketPlan.from_params(params_from_safetensors(model_dir), cfg.weights.bucket_bytes)
@@ -395,8 +379,8 @@ def main(argv: Sequence[str]) -> int:
     )  # fmt: skip
     actor = Actor(
         cfg, actor_id=args.actor_id, conn=conn, engine=engine,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir), verifier=make_verifier(cfg.task),
-        receiver=receiver,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        make_env=lambda: make_env(cfg.task), receiver=receiver,
     )  # fmt: skip
     actor.stop_event = stop
     if cfg.metrics.actor_port:
@@ -410,6 +394,7 @@ def main(argv: Sequence[str]) -> int:
         receiver.close()
         if args.status_file:
             write_status(Path(args.status_file), actor)
+        actor.episodes.close()
         engine.close()
     return 0
 
@@ -421,8 +406,8 @@ def write_status(path: Path, actor: Actor) -> None:
         "actor_id": actor.actor_id,
         "policy_version": actor.engine.policy_version,
         "weights_digest": digest_named_tensors(actor.engine.named_weights()),
-        "stats": actor.stats,
-        "round_generate_s": [round(s, 6) for s in actor.round_generate_s],
+        "stats": actor.status_stats(),
+        "round_generate_s": [round(s, 6) for s in actor.episodes.round_generate_s],
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(status, indent=1))

@@ -74,6 +74,9 @@ class ModelConfig:
     """Tiny model: MLP width."""
     init_seed: int = 0
     """Tiny model: seed of the random initialisation."""
+    extra_chars: str = ""
+    """Tiny model: characters added to its alphabet (a task's call syntax, say), one token
+    each; empty keeps the default alphabet (and the same build)."""
     arch: Literal["llama", "qwen2", "mistral", "qwen3", "qwen3_moe"] = "llama"
     """Tiny model: the model family to build (asyncrl/model_families.py)."""
     num_experts: int = 4
@@ -97,26 +100,83 @@ class ModelConfig:
             f"must divide model.num_heads={self.num_heads}",
             self.num_kv_heads,
         )
+        _check(
+            len(set(self.extra_chars)) == len(self.extra_chars),
+            "model.extra_chars",
+            "must not repeat a character",
+            self.extra_chars,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """The environment and its verifiable reward."""
+    """The environment (task), its data and the limits of one episode."""
 
-    name: Literal["sort"] = "sort"
-    """Task: `sort` = answer the prompt's digits in ascending order."""
+    name: str = "sort"
+    """Registered task (actors/envs/registry.py): `sort` (answer the prompt's digits in
+    ascending order), `lookup` (call a lookup tool, answer with its value), `tools` (chat with
+    calculator / python / lookup tools over `data` rows), `humaneval`, `math`."""
+    module: str = ""
+    """A task of your own instead of `name`: "pkg.mod:make_env" (make_env(task) -> Env)."""
+    data: str = ""
+    """JSONL file of rows (`prompt` or chat `messages`, plus `answer` / `tests` / `info`);
+    empty = the task's generated rows (`num_prompts` of them, from `seed`)."""
     num_digits: int = 4
-    """Digits per prompt."""
+    """sort: digits per prompt."""
     num_prompts: int = 10000
-    """Prompts in the generated dataset."""
+    """Rows a task generates when `data` is empty."""
     dataset: str = ""
-    """JSONL prompt dataset; empty generates one deterministically into the run directory."""
+    """A prompts file already in the hub's format (prompt_id, prompt, info), used as is;
+    empty = written into the run directory from `data` or the task's generated rows."""
     seed: int = 1234
-    """Seed of the dataset generator."""
+    """Seed of the generated rows."""
+    max_turns: int = 8
+    """Model turns per episode; an episode still going after this many ends as turn_limit."""
+    max_episode_tokens: int = 0
+    """Tokens after the prompt (model and environment together) per episode; an episode that
+    reaches it ends as length. 0 = no limit but actor.max_new_tokens per turn."""
+    episode_timeout_s: float = 0.0
+    """Wall-clock limit of one episode in seconds (ends it as timeout); 0 = none."""
+    tools: str = ""
+    """Tools offered, comma-separated (calculator, python, lookup); empty = the task's own."""
+    max_tool_calls: int = 4
+    """Tool budget: calls one episode may make; a call beyond it is answered with an error."""
+    max_tool_errors: int = 3
+    """Failed calls (malformed, unknown tool, tool error, over budget) that end an episode as
+    tool_error."""
 
     def __post_init__(self) -> None:
+        _check(bool(self.name), "task.name", "must not be empty", self.name)
+        _check(
+            not self.module or ":" in self.module,
+            "task.module",
+            'must look like "pkg.mod:make_env"',
+            self.module,
+        )
         _check(1 <= self.num_digits <= 32, "task.num_digits", "must be in [1, 32]", self.num_digits)
         _check(self.num_prompts >= 1, "task.num_prompts", "must be >= 1", self.num_prompts)
+        _check(self.max_turns >= 1, "task.max_turns", "must be >= 1", self.max_turns)
+        _check(
+            self.max_episode_tokens >= 0,
+            "task.max_episode_tokens",
+            "must be >= 0",
+            self.max_episode_tokens,
+        )
+        _check(
+            self.episode_timeout_s >= 0,
+            "task.episode_timeout_s",
+            "must be >= 0",
+            self.episode_timeout_s,
+        )
+        _check(self.max_tool_calls >= 0, "task.max_tool_calls", "must be >= 0", self.max_tool_calls)
+        _check(
+            self.max_tool_errors >= 1, "task.max_tool_errors", "must be >= 1", self.max_tool_errors
+        )
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        """`tools` as a tuple of names (empty: the task decides)."""
+        return tuple(t.strip() for t in self.tools.split(",") if t.strip())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,13 +264,16 @@ class ActorConfig:
     next batch's credits are at hand when a batch ends (no hub round trip between batches).
     Must be 0 or >= concurrency; admission (η) still bounds what the hub grants."""
     max_new_tokens: int = 8
-    """Completion length limit in tokens."""
+    """Token limit of one model turn (the whole completion of a single-turn task)."""
     temperature: float = 1.0
     """Sampling temperature in (0, 2] (vLLM's range); logprobs are under this distribution."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; logprobs are under the truncated distribution."""
     vllm_kv_cache_gib: float = 1.0
     """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    env_workers: int = 4
+    """Threads that run environment steps and tool calls, so a slow tool never holds up the
+    generation of other episodes; 0 = run every step on the actor's main thread."""
 
     @property
     def num_window_credits(self) -> int:
@@ -233,6 +296,7 @@ class ActorConfig:
             0 < self.temperature <= 2, "actor.temperature", "must be in (0, 2]", self.temperature
         )
         _check(0 < self.top_p <= 1, "actor.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.env_workers >= 0, "actor.env_workers", "must be >= 0", self.env_workers)
 
 
 @dataclass(frozen=True, kw_only=True)

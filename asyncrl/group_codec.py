@@ -13,7 +13,9 @@ What a valid group is (`check_group` states it field by field):
 - `loss_mask` (0 or 1) and `behavior_logprobs` (finite, <= 0 up to float rounding) hold one
   entry per completion token, sum(seq_len_i - prompt_len_i);
 - 0 <= min_policy_version_i <= max_policy_version_i; finish reasons from FINISH_REASONS;
-  rewards and timings finite.
+  rewards and timings finite;
+- the episode lists (`num_turns` >= 0, `tool_s`, `env_s` finite) are empty (not recorded, and
+  then off the wire) or hold one entry per trajectory.
 
 The value rules (ids, masks, logprobs) scan the arrays: two or three numpy reductions per array,
 the only per-byte work of a decode. `values=False` skips them, for groups that arrive inside a
@@ -68,8 +70,9 @@ def decode_group(
         and _lists_ok(seq_lens, prompt_lens, lo, hi, tids, finish, failed, len(rewards))
     ):  # fmt: skip
         return None
-    rewards, extras = _finite_rewards(rewards), _extras(data)
-    if rewards is None or extras is None:
+    n = len(rewards)
+    rewards, extras, episode = _finite_rewards(rewards), _extras(data), _episode_lists(data, n)
+    if rewards is None or extras is None or episode is None:
         return None
     num_tokens = sum(seq_lens)
     arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
@@ -83,6 +86,7 @@ def decode_group(
         seq_lens=seq_lens, prompt_lens=prompt_lens, rewards=rewards, min_policy_versions=lo,
         max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
         loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
+        num_turns=episode[0], tool_s=episode[1], env_s=episode[2],
     )  # fmt: skip
     return g
 
@@ -130,6 +134,27 @@ def _extras(data: dict[str, Any]) -> tuple[dict, dict] | None:
     if timings and not (set(map(type, timings.values())) <= _NUM and _isfinite(sum(timings.values()))):  # fmt: skip
         return None
     return metadata, timings
+
+
+EPISODE_LISTS = ("num_turns", "tool_s", "env_s")
+
+
+def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | None:
+    """(num_turns, tool_s, env_s), each empty or one well-typed entry per trajectory."""
+    out = []
+    for name in EPISODE_LISTS:
+        value = data[name] if name in data else []
+        if type(value) is not list or (value and len(value) != n):
+            return None
+        if value:
+            kinds = set(map(type, value))
+            if name == "num_turns":
+                if kinds != _INT or min(value) < 0:
+                    return None
+            elif kinds != _FLOAT or not _isfinite(sum(value)):
+                return None
+        out.append(value)
+    return out[0], out[1], out[2]
 
 
 def _arrays(rt: Any, rm: Any, rl: Any, num_tokens: int, num_completion: int,
@@ -205,6 +230,11 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
         raise ProtocolError(
             prefix + "finish_reasons", f"{bad!r} is not one of {list(FINISH_REASONS)}"
         )
+    for name in EPISODE_LISTS:
+        if g[name] and len(g[name]) != n:
+            raise ProtocolError(prefix + name, f"has {len(g[name])} entries for {n} trajectories")
+    if g["num_turns"] and min(g["num_turns"]) < 0:
+        raise ProtocolError(prefix + "num_turns", "must be >= 0")
     timings = g["timings"]
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(_isfinite, timings.values()))
@@ -226,6 +256,9 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
+    for name in EPISODE_LISTS:
+        if not out[name]:
+            del out[name]  # not recorded: off the wire, as before these fields existed
     for name, dtype, dtype_name in _ENCODED_ARRAYS:
         arr = _contiguous(out[name], dtype=dtype)  # the array itself when it already is
         out[name] = {"dtype": dtype_name, "shape": list(arr.shape), "frame": len(frames)}

@@ -17,7 +17,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
 ROLES = ("actor", "learner", "client")
 
 
@@ -118,6 +118,9 @@ class Trajectory:
     finish_reason: str
     trajectory_id: str = ""
     reward_failed: str = ""  # why the reward could not be computed ("" = it was)
+    num_turns: int = 1  # model turns of the episode
+    tool_s: float = 0.0  # seconds the episode spent in tool calls
+    env_s: float = 0.0  # seconds the episode spent in the environment (tools included)
 
     @property
     def completion_tokens(self) -> np.ndarray:
@@ -147,6 +150,10 @@ class Group:
     behavior_logprobs: np.ndarray = _array("float32")  # concat of completion logprobs
     metadata: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # per trajectory, or empty = not recorded (single-turn groups leave them off the wire)
+    num_turns: list[int] = _appended(factory=list)
+    tool_s: list[float] = _appended(factory=list)
+    env_s: list[float] = _appended(factory=list)
 
     @property
     def size(self) -> int:
@@ -183,6 +190,9 @@ class Group:
                     finish_reason=self.finish_reasons[i],
                     trajectory_id=self.trajectory_ids[i],
                     reward_failed=self.reward_failed[i],
+                    num_turns=self.num_turns[i] if self.num_turns else 1,
+                    tool_s=self.tool_s[i] if self.tool_s else 0.0,
+                    env_s=self.env_s[i] if self.env_s else 0.0,
                 )
             )
             tok += length
@@ -228,7 +238,19 @@ class Group:
             ),
             metadata=dict(metadata or {}),
             timings=dict(timings or {}),
+            **_episode_lists(trajectories),
         )
+
+
+def _episode_lists(trajectories: Sequence[Trajectory]) -> dict[str, list]:
+    """The per-trajectory episode fields, or none when every trajectory has the defaults."""
+    if all(t.num_turns == 1 and t.tool_s == 0.0 and t.env_s == 0.0 for t in trajectories):
+        return {}
+    return {
+        "num_turns": [int(t.num_turns) for t in trajectories],
+        "tool_s": [float(t.tool_s) for t in trajectories],
+        "env_s": [float(t.env_s) for t in trajectories],
+    }
 
 
 @dataclass(frozen=True, kw_only=True)

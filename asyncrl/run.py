@@ -69,18 +69,15 @@ class Processes:
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
-    """Resolved config, prompt dataset and the model, before any process starts."""
-    from actors.envs.sort_task import write_dataset
+    """Resolved config, the hub's prompts (from the task registry) and the model, before any
+    process starts."""
+    from actors.envs.registry import write_prompts
     from asyncrl.tiny_model import ensure_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     config_path.write_text(to_toml(cfg))
-    dataset = (
-        Path(cfg.task.dataset)
-        if cfg.task.dataset
-        else write_dataset(run_dir / "prompts.jsonl", cfg.task)
-    )
+    dataset = write_prompts(cfg.task, run_dir / "prompts.jsonl")
     ensure_model(cfg.model, cfg.task)  # built once here, so children never race to build it
     return config_path, dataset
 

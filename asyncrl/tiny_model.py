@@ -6,8 +6,10 @@ into `<model.cache_dir>/<hash of its settings>/` from nothing but the config (no
 downloaded):
 
 - tokenizer: one token per character over a fixed alphabet (digits, ':', ' ') plus the special
-  tokens `<pad>`, `<bos>`, `<eos>`, `<unk>`; 16 tokens in all (a multiple of 8). It is made with
-  `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
+  tokens `<pad>`, `<bos>`, `<eos>`, `<unk>`; 16 tokens in all (a multiple of 8). A task that
+  needs more characters (the `lookup` task's call syntax) adds them with `model.extra_chars`;
+  the vocabulary is then padded with unused `<unusedN>` tokens to a multiple of 8 again. It is
+  made with `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
   `PreTrainedTokenizerFast`;
 - model: `LlamaForCausalLM` with untied embeddings (or another family, `model.arch`: see
   asyncrl/model_families.py), widths from `ModelConfig`, seeded random initialisation
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from asyncrl.config import ModelConfig, TaskConfig
 from asyncrl.model_families import family_config
@@ -77,6 +79,8 @@ def build_key(model: ModelConfig) -> str:
     settings = dataclasses.asdict(model)
     for unrelated in ("path", "cache_dir"):
         settings.pop(unrelated)
+    if not settings["extra_chars"]:
+        settings.pop("extra_chars")  # the default alphabet keeps the builds it always had
     if model.arch == "llama":  # the embedded default keeps the key it had before families
         settings.pop("arch")
         settings.pop("num_experts")
@@ -87,14 +91,21 @@ def build_key(model: ModelConfig) -> str:
     return f"tiny-{model.arch.replace('_', '-')}-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
-def vocab() -> dict[str, int]:
-    """Token -> id of the tiny tokenizer: special tokens first, then the alphabet."""
-    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+def vocab(extra_chars: str = "") -> dict[str, int]:
+    """Token -> id of the tiny tokenizer: special tokens first, then the alphabet, then
+    `extra_chars` and (with extra characters only) unused tokens up to a multiple of 8."""
+    clash = sorted(set(extra_chars) & set(ALPHABET))
+    if clash:
+        raise ValueError(f"model.extra_chars: {clash} are in the alphabet already")
+    tokens = list(SPECIAL_TOKENS + ALPHABET) + list(extra_chars)
+    while extra_chars and len(tokens) % 8:
+        tokens.append(f"<unused{len(tokens)}>")
+    return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     """The tiny character-level tokenizer (adds `<bos>` in front of every encoded text)."""
-    ids = vocab()
+    ids = vocab(extra_chars)
     tok = Tokenizer(models.WordLevel(vocab=ids, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -112,30 +123,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_llama_config(model: ModelConfig) -> LlamaConfig:
-    """The `LlamaConfig` of the tiny model."""
-    ids = vocab()
-    head_dim = model.hidden_size // model.num_heads
-    return LlamaConfig(
-        vocab_size=len(ids),
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-        torch_dtype=model.dtype,
-    )
-
-
 def _build(model: ModelConfig, out: Path) -> None:
-    build_tokenizer().save_pretrained(out)
-    ids = vocab()
+    build_tokenizer(model.extra_chars).save_pretrained(out)
+    ids = vocab(model.extra_chars)
     special = {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}
     config = family_config(model, len(ids), special, MAX_POSITIONS)
     with torch.random.fork_rng(devices=[]):

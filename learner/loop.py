@@ -20,6 +20,7 @@ steps and survives `--resume`.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -32,7 +33,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
-from asyncrl.protocol import Batch, Error, Members, SampleRequest, Version, WeightsAnnounce
+from asyncrl.protocol import (
+    Batch,
+    Error,
+    Group,
+    Members,
+    SampleRequest,
+    Version,
+    WeightsAnnounce,
+)
 from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
 from asyncrl.weights.digest import digest_named_tensors
@@ -287,6 +296,7 @@ class Learner:
             "weight_sync_failures": self.publisher.stats.num_failed,
             "num_actors": len(self.members),
             **{k: v for k, v in loss_stats.items() if k != "num_tokens"},
+            **episode_metrics(groups),
         }
 
     def checkpoint(self) -> Path:
@@ -390,6 +400,23 @@ class Learner:
                     break
             time.sleep(0.2)
         return loaded
+
+
+def episode_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Per-sample means of how the batch's episodes went: finish reasons (`finish/<reason>`,
+    fractions), failed rewards, and for multi-turn tasks turns, tool calls, failed and malformed
+    calls, tool and environment seconds."""
+    num = sum(g.size for g in groups)
+    reasons = collections.Counter(r for g in groups for r in g.finish_reasons)
+    out = {f"finish/{reason}": count / num for reason, count in sorted(reasons.items())}
+    out["reward_failed_frac"] = sum(1 for g in groups for f in g.reward_failed if f) / num
+    if any(g.num_turns for g in groups):
+        out["turns_mean"] = sum(sum(g.num_turns) for g in groups) / num
+        out["tool_s_mean"] = sum(sum(g.tool_s) for g in groups) / num
+        out["env_s_mean"] = sum(sum(g.env_s) for g in groups) / num
+        for key in ("tool_calls", "tool_errors", "malformed_calls"):
+            out[f"{key}_per_episode"] = sum(int(g.metadata.get(key, 0)) for g in groups) / num
+    return out
 
 
 def _histogram(values: Sequence[int], max_staleness: int) -> list[int]:

@@ -24,7 +24,15 @@ from asyncrl.tiny_model import ensure_model
 from asyncrl.transport import HubConnection
 from learner.loop import Learner
 from learner.metrics_log import MetricsLog
-from learner.parallel import Op, Ranks, init_world, ranks_from_env, send_command, spawn_local
+from learner.parallel import (
+    Op,
+    Ranks,
+    init_world,
+    leave_world,
+    ranks_from_env,
+    send_command,
+    spawn_local,
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -70,6 +78,17 @@ def main(argv: Sequence[str]) -> int:
             f"WORLD_SIZE={ranks.world} ranks (every rank trains on whole groups)"
         )
     init_world(ranks, cfg.learner.dist_timeout_s)
+    try:
+        code = _rank_main(cfg, args, ranks)
+    except BaseException:
+        leave_world(clean=False)
+        raise
+    leave_world(clean=True)
+    return code
+
+
+def _rank_main(cfg: RunConfig, args: argparse.Namespace, ranks: Ranks) -> int:
+    """One rank's whole life inside the process group."""
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -107,6 +107,20 @@ def init_world(ranks: Ranks, timeout_s: float) -> None:
     )
 
 
+def leave_world(clean: bool) -> None:
+    """Tear the process group down: after a barrier when every rank got here normally.
+
+    Without it gloo's threads meet the interpreter's exit while a peer may still be sending
+    (an abort: "terminate called without an active exception"). After a failure the barrier
+    is skipped, since the other ranks may never arrive.
+    """
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def shard_model(model: torch.nn.Module, ranks: Ranks) -> None:
     """FSDP2: `fully_shard` every transformer block, then the root (in place)."""
     from torch.distributed.device_mesh import init_device_mesh

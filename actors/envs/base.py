@@ -19,6 +19,12 @@ trajectory is exactly what the engine produced. Environments see and return text
 An environment instance runs one episode at a time; the runner makes one per episode from the
 task's factory. `reset` with the same row and seed, followed by the same model texts, must give
 the same episode (environments keep any randomness in a `random.Random(seed)` of their own).
+`step` gets the decoded text of the model's turn without its stop token (a turn cut by the
+token limit is passed as it is: a truncated tool call is the environment's to report).
+
+The runner calls `step` on a worker thread (a tool may take seconds) unless the environment
+sets `inline_steps = True`: for a step that is a quick computation (a verifier), the hand-off to
+a thread costs more than the step.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class Observation:
     the prompt; later: `tool` or `user` messages)."""
     text: str | None = None
     """Raw text to append as is instead of messages (tasks without a chat template)."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """JSON schemas of the tools offered (first observation only): the chat template renders
+    them into the prompt (its `tools` argument), the usual way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,11 +83,13 @@ class Step:
     finish_reason: FinishReason | None = None
     """Set when done: why the episode ended."""
     info: dict[str, Any] = field(default_factory=dict)
-    """JSON-able details (parsed answer, tool calls, verifier details, timings)."""
+    """JSON-able details (parsed answer, tool calls, verifier details). Keys the runner reads:
+    `reward_failed` (why the reward could not be computed), `tool_s` (seconds this step spent
+    in tools), `tool_calls`, `tool_errors` and `malformed_calls` (counts for this step)."""
 
 
 class Env(Protocol):
-    """One episode of a task at a time."""
+    """One episode of a task at a time (optionally `inline_steps: bool`, see the module doc)."""
 
     def reset(self, row: Row, seed: int) -> Observation:
         """Start an episode on `row`; the first observation is the prompt."""

@@ -8,6 +8,10 @@ token. Every character is a single token of the tiny model's tokenizer
 The dataset is a pure function of `TaskConfig` (`seed`, `num_digits`, `num_prompts`): the same
 config always yields the same prompts with the same ids. Rows have the shape the hub reads,
 ``{"prompt_id": str, "prompt": str, "info": {"digits": str, "answer": str}}``.
+
+As an environment (`SortEnv`, registered as `sort`) it is one turn: the prompt is shown as raw
+text and the model's answer is scored by the sort verifier (actors/rewards/sort_verifier.py),
+on the actor's main thread (`inline_steps`: a verifier is quicker than a hand-off to a thread).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 import random
 from pathlib import Path
 
+from actors.envs.base import Observation, Row, Step
+from actors.rewards.base import Verifier, safe_score
 from asyncrl.config import TaskConfig
 
 PROMPT_SUFFIX = ":"
@@ -90,3 +96,42 @@ def read_dataset(path: str | Path) -> list[dict]:
             row.setdefault("info", {})
             rows.append(row)
     return rows
+
+
+class SortEnv:
+    """One turn: show the prompt, score the answer (a failing verifier scores 0 and says why)."""
+
+    inline_steps = True
+
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
+        self.row: Row | None = None
+
+    def reset(self, row: Row, seed: int) -> Observation:
+        """The prompt text as is (`seed` is not needed: the episode is deterministic)."""
+        if row.prompt is None:
+            raise ValueError(f"prompt {row.prompt_id}: the sort task needs a text prompt")
+        self.row = row
+        return Observation(text=row.prompt)
+
+    def step(self, model_text: str) -> Step:
+        """Score the answer; the episode ends."""
+        assert self.row is not None, "step before reset"
+        result = safe_score(self.verifier, self.row.prompt or "", model_text, self.row.info)
+        info = {"reward_failed": result.failed, **result.details}
+        return Step(reward=result.reward, done=True, finish_reason="stop", info=info)
+
+
+def make_env(task: TaskConfig) -> SortEnv:
+    """The registry's factory of `sort` episodes."""
+    from actors.rewards.sort_verifier import SortVerifier
+
+    return SortEnv(SortVerifier())
+
+
+def make_rows(task: TaskConfig) -> list[Row]:
+    """`make_prompts(task)` as rows."""
+    return [
+        Row(prompt_id=r["prompt_id"], prompt=r["prompt"], info=r["info"])
+        for r in make_prompts(task)
+    ]

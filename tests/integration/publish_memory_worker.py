@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
-from learner.parallel import init_world, ranks_from_env, shard_model
+from learner.parallel import init_world, leave_world, ranks_from_env, shard_model
 from learner.publish import ShardedSource, _full, gather_all
 
 
@@ -46,6 +46,7 @@ def main(model_dir: str, bucket_bytes: str, out: str) -> int:
         gather_all(plan, model)
         for _, param in model.named_parameters():
             _full(param)
+        leave_world(clean=True)
         return 0
     before = reset_peak()
     source = ShardedSource(plan, model, torch.device("cpu"))
@@ -65,6 +66,7 @@ def main(model_dir: str, bucket_bytes: str, out: str) -> int:
         "num_buckets": len(plan.buckets),
     }
     Path(out).write_text(json.dumps(result))
+    leave_world(clean=True)
     return 0
 
 

@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
-from actors.envs.sort_task import read_dataset, write_dataset
+from actors.envs.sort_task import SortEnv, read_dataset, write_dataset
 from actors.rewards.base import RewardResult
 from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import RunConfig, load_config, to_toml
@@ -373,8 +373,9 @@ def test_failing_verifier_marks_samples_and_the_actor_carries_on(
     try:
         conn.start(timeout_s=WAIT_S)
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        verifier = FlakyVerifier()  # one for all episodes: it sees the samples in order
         actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                      tokenizer=tokenizer, verifier=FlakyVerifier())  # fmt: skip
+                      tokenizer=tokenizer, make_env=lambda: SortEnv(verifier))  # fmt: skip
         # One round: the hub granted the whole window (2 x concurrency) in one message, so half
         # of it is left unused and must come back.
         actor.run(max_groups=cfg.actor.concurrency)  # returns normally: failures are data
@@ -412,7 +413,7 @@ def test_credits_ask_only_for_published_weights(
                          config_hash=cfg.config_hash(), concurrency=2)  # never started  # fmt: skip
     actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
                   tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                  verifier=SortVerifier())  # fmt: skip
+                  make_env=lambda: SortEnv(SortVerifier()))  # fmt: skip
     for version in credit_versions:
         actor.handle(Credits(group_size=4, policy_version=version, items=()))
     assert actor.min_weights_version == need

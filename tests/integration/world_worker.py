@@ -19,7 +19,7 @@ import numpy as np
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol import Batch, Group, Trajectory
 from learner.loop import Learner
-from learner.parallel import Op, init_world, ranks_from_env, send_command
+from learner.parallel import Op, init_world, leave_world, ranks_from_env, send_command
 
 
 def make_group(rng: np.random.Generator, group_id: str, size: int) -> Group:
@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
         learner.resume()
     if not ranks.is_leader:
         learner.follow()
+        leave_world(clean=True)
         return 0
     first = learner.step
     for step in range(first, first + int(steps)):
@@ -79,6 +80,7 @@ def main(argv: list[str]) -> int:
         send_command(Op.STOP)
     assert learner.publisher is not None
     learner.publisher.close()
+    leave_world(clean=True)
     return 0
 
 

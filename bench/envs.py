@@ -1,0 +1,196 @@
+"""Multi-turn episodes against single-turn generation of the same tokens, side by side.
+
+    python bench/envs.py [--groups 24] [--reps 5] [--turns 3]
+
+`multi_turn`: the episode runner (actors/episodes.py) drives tool episodes on the torch engine
+and the tiny model: the real `ToolEnv` with its `Toolbox` (the lookup tool over each row's
+table) and observations tokenized on their own, `--concurrency` groups of `--group-size`
+episodes in flight, a new group started as one finishes. So that every episode really makes
+`--turns - 1` tool calls whatever an untrained model writes, the call syntax is scripted
+(`EveryTurnCalls`: turns before the last are lookup calls; the last is the answer).
+`single_turn`: the same engine generates, for every episode of the multi-turn repetition just
+measured, exactly as many tokens as that episode's model turns held (stop tokens off), from the
+same prompts, in waves of the same number of episodes.
+
+`multi_turn_over_single_turn` = episodes/s multi-turn / episodes/s single-turn (goal >= 0.8):
+what the turn structure costs (re-prefilling each turn's context, tool calls, observation
+tokens, bookkeeping). Repetitions alternate the two, so machine noise hits both alike.
+`multi_turn_generate_share` is the part of the multi-turn time spent inside `engine.generate`
+(the rest is the environments, tokenizing observations and the runner's bookkeeping); the
+torch engine prefills each turn's whole context again (no KV cache kept between turns), which
+single-turn generation of the same tokens does once. Writes bench/results/envs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import environment, spread, write_json  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--groups", type=int, default=24, help="groups (prompts) per repetition")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=4, help="groups in flight")
+    p.add_argument("--turns", type=int, default=3, help="model turns per episode")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="per model turn")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "envs.json"))
+    return p.parse_args()
+
+
+class EveryTurnCalls:
+    """Call syntax for the benchmark: turns before the last look the row's key up."""
+
+    def __init__(self, turns: int, key: str) -> None:
+        from actors.envs.tool_calls import CompactCalls
+
+        self.turns, self.key, self.seen = turns, key, 0
+        self.results = CompactCalls()  # writes results back as `=value=`
+
+    def parse(self, text: str) -> Any:
+        from actors.envs.tool_calls import ParsedTurn, ToolCall
+
+        self.seen += 1
+        if self.seen < self.turns:
+            return ParsedTurn(calls=(ToolCall("lookup", {"key": self.key}),), answer="")
+        return ParsedTurn(calls=(), answer=text)
+
+    def observation(self, results: Sequence[Any]) -> Any:
+        return self.results.observation(results)
+
+
+def make_env(turns: int, rows_key: str) -> Any:
+    from actors.envs.lookup import lookup_reward
+    from actors.envs.tool_env import ToolEnv
+    from actors.envs.toolbox import Toolbox
+
+    return ToolEnv(Toolbox(["lookup"]), EveryTurnCalls(turns, rows_key), lookup_reward,
+                   max_tool_calls=turns, max_tool_errors=turns, raw_text=True)  # fmt: skip
+
+
+def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namespace) -> dict:
+    """Episodes through the runner; the model tokens of each finished episode."""
+    from actors.episodes import EpisodeLimits, EpisodeRunner
+
+    limits = EpisodeLimits(max_turns=args.turns, max_new_tokens=args.max_new_tokens)
+    engine = TimedEngine(engine)
+    keys = iter([r.info["key"] for r in rows for _ in range(args.group_size)])
+    runner = EpisodeRunner(engine, tok, lambda: make_env(args.turns, next(keys)), limits,
+                           workers=0)  # fmt: skip
+    todo = list(enumerate(rows))
+    episodes = []
+    start = time.perf_counter()
+    while todo or runner.num_groups:
+        while todo and runner.num_groups < args.concurrency:
+            i, row = todo.pop(0)
+            runner.start(i, row, seed=i, n=args.group_size)
+        for group in runner.advance():
+            episodes += [(group.episodes[0].prompt, _model_tokens(e)) for e in group.episodes]
+    seconds = time.perf_counter() - start
+    runner.close()
+    return {"seconds": seconds, "generate_s": engine.seconds, "episodes": len(episodes),
+            "episode_tokens": episodes}  # fmt: skip
+
+
+class TimedEngine:
+    """The engine, with the seconds spent in `generate` added up."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds = inner, 0.0
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def generate(self, requests: Sequence[Any]) -> list[list[Any]]:
+        start = time.perf_counter()
+        out = self.inner.generate(requests)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def _model_tokens(ep: Any) -> int:
+    return sum(len(tokens) for tokens, lps in ep.chunks if lps is not None)
+
+
+def single_turn(engine: Any, episodes: Sequence[tuple[list[int], int]], wave: int) -> float:
+    """Seconds to generate each episode's model-token count in one turn, `wave` at a time."""
+    from actors.engines.base import GenerationRequest
+
+    start = time.perf_counter()
+    for at in range(0, len(episodes), wave):
+        requests = [
+            GenerationRequest(
+                prompt_tokens=list(prompt),
+                n=1,
+                max_new_tokens=max(count, 1),
+                stop_token_ids=(),
+                seed=at + i,
+            )  # fmt: skip
+            for i, (prompt, count) in enumerate(episodes[at : at + wave])
+        ]
+        engine.generate(requests)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+    from transformers import AutoTokenizer
+
+    from actors.engines.torch_engine import TorchEngine
+    from actors.envs.lookup import make_rows
+    from asyncrl.config import ModelConfig, TaskConfig
+    from asyncrl.tiny_model import ensure_model
+
+    torch.set_num_threads(args.threads)
+    task = TaskConfig(name="lookup", num_digits=3, num_prompts=args.groups)
+    with tempfile.TemporaryDirectory() as cache:
+        model_dir = ensure_model(ModelConfig(cache_dir=cache, extra_chars="?=!"), task)
+        engine = TorchEngine(model_dir, seed=0)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = make_rows(task)
+    multi_turn(engine, tok, rows[: args.concurrency], args)  # warm-up
+    wave = args.concurrency * args.group_size
+    multi_rates, single_rates, ratios, tokens, shares = [], [], [], [], []
+    for rep in range(args.reps):
+        run = multi_turn(engine, tok, rows, args)
+        single_s = single_turn(engine, run["episode_tokens"], wave)
+        multi_rates.append(run["episodes"] / run["seconds"])
+        single_rates.append(run["episodes"] / single_s)
+        ratios.append(single_s / run["seconds"])
+        tokens.append(sum(c for _, c in run["episode_tokens"]) / run["episodes"])
+        shares.append(run["generate_s"] / run["seconds"])
+        print(f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
+              f"{single_rates[-1]:.1f}, ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+    result = {
+        "command": "python bench/envs.py " + " ".join(sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        **environment(),
+        "multi_turn_episodes_per_s": spread(multi_rates),
+        "single_turn_episodes_per_s": spread(single_rates),
+        "model_tokens_per_episode": spread(tokens),
+        "multi_turn_over_single_turn": spread(ratios)["median"],
+        "ratio_spread": spread(ratios),
+        "multi_turn_generate_share": spread(shares),
+        "goal": {"multi_turn_over_single_turn": 0.8},
+    }
+    write_json(args.out, result)
+    print(f"multi_turn_over_single_turn {result['multi_turn_over_single_turn']:.3f} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
