@@ -35,6 +35,7 @@ from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import (
     Batch,
+    BatchAck,
     Error,
     Group,
     Members,
@@ -136,6 +137,8 @@ class Learner:
             step_s = time.perf_counter() - start
             self.policy_version += 1
             self.step += 1
+            # trained: the hub may forget the batch (a learner dying before gets it again)
+            self.conn.send(BatchAck(request_id=batch.request_id))
             # Members come back asynchronously; fetch_batch re-publishes if they changed
             self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:

@@ -35,6 +35,7 @@ import collections
 import gc
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -52,6 +53,7 @@ from asyncrl.metrics import LiveMetrics
 from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
     Batch,
+    BatchAck,
     Bye,
     CreditReturn,
     Credits,
@@ -74,14 +76,15 @@ from asyncrl.protocol import (
     encode,  # fmt: skip
 )
 from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
-from replay.admission import CreditBook, generation_version, grant
-from replay.buffer import InsertResult, ReplayBuffer
+from replay.admission import generation_version, grant
+from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
 from replay.prompts import PromptSource, load_dataset
+from replay.state import HubState
 
 log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
-ROLE_OF[WeightsAnnounce] = "learner"
+ROLE_OF[WeightsAnnounce] = ROLE_OF[BatchAck] = "learner"
 
 
 class Hub:
@@ -90,14 +93,8 @@ class Hub:
     def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
                  allow_insecure: bool = False) -> None:  # fmt: skip
         self.cfg, rc = cfg, cfg.replay
-        self.buffer = ReplayBuffer(
-            capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
-            batch_groups=cfg.learner.groups_per_step, sampling=rc.sampling,
-            max_times_sampled=rc.max_times_sampled, samples_per_insert=rc.samples_per_insert,
-            tolerance=rc.samples_per_insert_tolerance,
-        )  # fmt: skip
-        self.prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
-        self.credits = CreditBook(self.prompts, incarnation=secrets.randbelow(2**30) + 1)
+        prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
+        self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context()
         self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None  # fmt: skip
@@ -106,23 +103,29 @@ class Hub:
         self.parked: collections.deque[Parked] = collections.deque()
         self.max_message_bytes = rc.max_message_bytes
         self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
-        self.counters: collections.Counter[str] = collections.Counter()
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.next_metrics = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
-        self.staleness_hist: collections.Counter[int] = collections.Counter()
-        self.dropped_since_batch = 0
+        self.durable_lsn = math.inf  # groups recorded up to here may go out (durability)
         self.running = True
         self.handlers = {
             Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
             WeightsAnnounce: self.on_weights_announce, WeightsLoaded: self.on_weights_loaded,
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
-            StatsRequest: self.on_stats_request, Bye: self.on_bye,
+            StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
         }  # fmt: skip
 
     @property
     def policy_version(self) -> int:
-        return self.buffer.policy_version
+        return self.state.policy_version
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self.state.buffer
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        return self.state.counters
 
     # --- the main loop --------------------------------------------------------------------------
 
@@ -222,11 +225,18 @@ class Hub:
         if old is not None:  # a new session under the same routing id ends the old one
             self.drop_client(old, "replaced")
         self.clients.add(identity, msg, time.monotonic())
+        next_seq = 0
+        if msg.role == "actor":
+            next_seq = self.state.actor_hello(identity, msg.client_id, msg.session)
+        elif msg.role == "learner":
+            returned = self.state.learner_hello(msg.session, msg.acks_batches)
+            if returned:
+                log.info("learner session %d: %d lent groups back in replay", msg.session, returned)  # fmt: skip
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         rc = self.cfg.replay
         self.send(identity, Welcome(client_id=msg.client_id, policy_version=self.policy_version,
                                     heartbeat_interval_s=rc.heartbeat_interval_s,
-                                    max_staleness=rc.max_staleness))  # fmt: skip
+                                    max_staleness=rc.max_staleness, next_seq=next_seq))  # fmt: skip
 
     def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
         counters = self.counters
@@ -236,38 +246,20 @@ class Hub:
                 "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
             )
         seq, credit_id = g.seq, g.credit_id
-        if seq in client.seen:  # a re-send of a group already taken: ack again, store once
+        if self.state.is_resend(g.actor_id, seq):  # taken before: ack again, store once
             counters["groups_duplicate"] += 1
             return self.clients.owe_ack(client, seq, credit_id)
-        current = self.credits.is_current(credit_id)
-        if current and not self.credits.holds(client.identity, credit_id):
-            raise ProtocolError(
-                "credit_id", f"credit {credit_id} is not held by this actor", "unknown_credit"
-            )
-        result = self.buffer.insert(g)
-        if result is InsertResult.FULL:
-            raise ProtocolError(
-                "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
-            )
-        if current:
-            self.credits.spend(client.identity, credit_id)
-        else:
-            counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
-        if result is InsertResult.STORED:
-            counters["groups_stored"] += 1
-        elif result is InsertResult.STALE:
-            self.dropped([g])
-        client.remember(seq)
+        self.state.store(client.identity, g, frames)  # a refusal raises ProtocolError
         self.clients.owe_ack(client, seq, credit_id)  # acked at the end of the burst
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
             raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")  # fmt: skip
-        self.adopt_version(msg.policy_version)
+        self.state.adopt_version(msg.policy_version, rewind=True)
         self.parked.append(Parked(client.identity, msg, time.monotonic()))
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
-        self.adopt_version(msg.policy_version)
+        self.state.adopt_version(msg.policy_version, rewind=True)
         actors = sorted(c.client_id for c in self.clients.actors())
         self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=actors))
 
@@ -281,12 +273,15 @@ class Hub:
 
     def on_heartbeat(self, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
         if client.role == "learner":  # a restarted hub learns the learner's version from it
-            self.adopt_version(msg.policy_version)
+            self.state.adopt_version(msg.policy_version)
         elif client.role == "actor":
             client.loaded_version = max(client.loaded_version, msg.policy_version)
 
     def on_credit_return(self, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
-        self.credits.give_back(client.identity, msg.credit_ids)
+        self.state.give_back(client.identity, msg.credit_ids)
+
+    def on_batch_ack(self, client: Client, msg: BatchAck, frames: list[Any]) -> None:
+        self.state.trained(msg.request_id)
 
     def on_stats_request(self, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
         self.send(client.identity, Stats(stats=self.stats()))
@@ -296,20 +291,9 @@ class Hub:
 
     # --- state changes --------------------------------------------------------------------------
 
-    def adopt_version(self, policy_version: int) -> None:
-        """The learner's version only moves forward; groups now too stale are dropped."""
-        if policy_version > self.policy_version:
-            self.dropped(self.buffer.drop_stale(policy_version))
-
-    def dropped(self, groups: list[Group]) -> None:
-        for g in groups:
-            self.prompts.reissue(g.prompt_id)
-        self.counters["groups_dropped_stale"] += len(groups)
-        self.dropped_since_batch += len(groups)
-
     def drop_client(self, client: Client, why: str) -> None:
         """A client left or died: its credits expire and their prompts are re-issued."""
-        expired = self.credits.expire(client.identity)
+        expired = self.state.expire(client.identity)
         self.clients.remove(client, why)
         self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
         self.outbox.forget(client.identity)
@@ -327,34 +311,32 @@ class Hub:
         (`replay.admission.grant`), which it reports in WeightsLoaded and heartbeats.
         """
         actors = list(self.clients.actors())
-        free = {c.identity: c.concurrency - self.credits.held_by(c.identity) for c in actors}
+        credits = self.state.credits
+        free = {c.identity: c.concurrency - credits.held_by(c.identity) for c in actors}
         if not any(n > 0 for n in free.values()):
             return
         versions = {c.identity: generation_version(self.policy_version, c.loaded_version)
                     for c in actors}  # fmt: skip
         rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
-        plan = grant(self.buffer, self.credits.outstanding, rc.max_staleness, steps, free, versions)
+        plan = grant(self.buffer, credits.outstanding, rc.max_staleness, steps, free, versions)
         for identity, n in plan.items():
-            items = tuple(self.credits.issue(identity, n))
+            items = tuple(self.state.issue(identity, n))
             self.send(identity, Credits(group_size=self.cfg.actor.group_size,
                                         policy_version=self.policy_version, items=items))  # fmt: skip
 
     def serve_parked(self) -> None:
         """Answer parked sample requests in arrival order while enough eligible groups exist."""
         while self.parked:
-            parked = self.parked[0]
-            groups, dropped = self.buffer.sample(self.policy_version, parked.request.num_groups)
-            self.dropped(dropped)
+            parked, state = self.parked[0], self.state
+            dropped_stale = state.dropped_since_batch
+            request = parked.request
+            groups = state.hand_out(request.request_id, request.num_groups, self.durable_lsn)
             if not groups:
                 return
             self.parked.popleft()
-            self.counters["groups_consumed"] += len(groups)
-            for g in groups:
-                self.staleness_hist[self.policy_version - g.min_policy_version] += 1
-            batch = Batch(request_id=parked.request.request_id, policy_version=self.policy_version,
-                          groups=tuple(groups), dropped_stale=self.dropped_since_batch,
+            batch = Batch(request_id=request.request_id, policy_version=self.policy_version,
+                          groups=tuple(groups), dropped_stale=dropped_stale,
                           wait_s=time.monotonic() - parked.since)  # fmt: skip
-            self.dropped_since_batch = 0
             self.send(parked.identity, batch)
 
     # --- sending --------------------------------------------------------------------------------
@@ -364,23 +346,28 @@ class Hub:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
-        clients = self.clients.describe(self.credits.held_by, time.monotonic())
-        counted = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                   "groups_duplicate", "groups_adopted", "weights_announced")  # fmt: skip
-        book = self.credits
+        state = self.state
+        clients = self.clients.describe(state.credits.held_by, time.monotonic())
+        book, prompts = state.credits, state.prompts
+        lent = sum(map(len, state.lent.values()))
         return {
-            **{k: self.counters[k] for k in counted}, "sends_dropped": self.outbox.dropped,
+            **{k: self.counters[k] for k in COUNTED}, "sends_dropped": self.outbox.dropped,
             "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
             "credits_expired": book.num_expired, "credits_returned": book.num_returned,
             "policy_version": self.policy_version, "stored": len(self.buffer),
             "parked_requests": len(self.parked), "errors": dict(self.errors), "clients": clients,
-            "dataset_epoch": self.prompts.epoch, "prompts_reissued": self.prompts.num_reissued,
-            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
+            "groups_lent": lent,
+            "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
         }  # fmt: skip
 
 
+COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+           "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
+           "weights_announced")  # fmt: skip
 HUB_COUNTERS = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped",
+                "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
+                "weights_announced", "sends_dropped",
                 "credits_issued", "credits_expired", "credits_returned", "prompts_reissued")  # fmt: skip
 """Hub statistics that only grow (exported as Prometheus counters)."""
 

@@ -118,17 +118,20 @@ class HubState:
         self._record("actor_hello", {"holder": holder, "actor_id": actor_id, "session": session})
         return window.next_seq
 
-    def learner_hello(self, session: int, acks_batches: bool) -> None:
-        """A learner (re)registers; a new session gets every lent group back into the buffer."""
+    def learner_hello(self, session: int, acks_batches: bool) -> int:
+        """A learner (re)registers; a new session gets every lent group back into the buffer.
+        Returns how many came back."""
+        returned = 0
         if session == 0 or session != self.learner_session:
             lent = [g for rid in sorted(self.lent) for g in self.lent[rid]]
             self.lent.clear()
             self.counters["groups_returned"] += len(lent)
-            self.counters["groups_consumed"] -= len(lent)
             self.dropped(self.buffer.give_back(lent))
             self.rewind_pending = True
+            returned = len(lent)
         self.learner_session, self.learner_acks = session, acks_batches
         self._record("learner_hello", {"session": session, "acks_batches": acks_batches})
+        return returned
 
     def store(self, holder: bytes, group: Group, frames: Sequence[Any] = ()) -> InsertResult:
         """Take a group from `holder` (not a resend: see `is_resend`); raises ProtocolError when
