@@ -207,8 +207,35 @@ class ReplayConfig:
     """ZeroMQ send/receive high-water marks, in messages."""
     auth_dir: str = ""
     """Directory with CURVE keys (`asyncrl keygen`); empty = no auth, loopback only."""
+    durability: Literal["volatile", "durable"] = "volatile"
+    """`volatile`: state in memory only, acks after store. `durable`: every state change goes to
+    a write-ahead log in `state_dir`, acks and batches leave only after their records are
+    written, and a restarted hub recovers buffer, credits, cursor, dedup and version."""
+    state_dir: str = ""
+    """Directory of the durable hub's log and snapshot (`asyncrl run`: <run_dir>/replay)."""
+    fsync: Literal["commit", "off"] = "commit"
+    """Durable mode: `commit` fsyncs each group commit before its acks (survives power loss);
+    `off` leaves flushing to the OS (survives a killed hub, not a crashed machine)."""
+    snapshot_log_bytes: int = 256 * 1024 * 1024
+    """Durable mode: log size that triggers a snapshot and a fresh log (bounds disk and
+    recovery time)."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.durability in ("volatile", "durable"),
+            "replay.durability",
+            "must be 'volatile' or 'durable'",
+            self.durability,
+        )
+        _check(
+            self.fsync in ("commit", "off"), "replay.fsync", "must be 'commit' or 'off'", self.fsync
+        )
+        _check(
+            self.snapshot_log_bytes >= 1024,
+            "replay.snapshot_log_bytes",
+            "must be >= 1024",
+            self.snapshot_log_bytes,
+        )
         _check(self.max_staleness >= 0, "replay.max_staleness", "must be >= 0", self.max_staleness)
         _check(
             self.capacity_groups >= 1,

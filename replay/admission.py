@@ -151,6 +151,10 @@ class CreditBook:
     def holds(self, holder: bytes, credit_id: int) -> bool:
         return credit_id in self._held.get(holder, ())
 
+    def holders(self) -> list[bytes]:
+        """Every holder with outstanding credits."""
+        return [holder for holder, book in self._held.items() if book]
+
     def held_by(self, holder: bytes) -> int:
         return len(self._held.get(holder, ()))
 

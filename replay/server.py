@@ -48,7 +48,7 @@ from typing import Any
 import zmq
 
 from asyncrl import auth
-from asyncrl.config import RunConfig, load_config
+from asyncrl.config import ReplayConfig, RunConfig, load_config
 from asyncrl.metrics import LiveMetrics
 from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
@@ -79,6 +79,7 @@ from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_par
 from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
+from replay.durability import Recovery, WriteAheadLog
 from replay.prompts import PromptSource, load_dataset
 from replay.state import HubState
 
@@ -106,7 +107,13 @@ class Hub:
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.next_metrics = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
-        self.durable_lsn = math.inf  # groups recorded up to here may go out (durability)
+        self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
+        self.wal: WriteAheadLog | None = None
+        self.gated: list[tuple[bytes, Message]] = []  # sent after the next commit
+        self.recovery = Recovery()
+        self.orphans_at = 0.0  # when credits of clients that did not come back expire
+        if rc.durability == "durable":
+            self.open_state(rc)
         self.running = True
         self.handlers = {
             Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
@@ -114,6 +121,27 @@ class Hub:
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
             StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
         }  # fmt: skip
+
+    def open_state(self, rc: ReplayConfig) -> None:
+        """Durable mode: recover the state from `rc.state_dir`, then log every change to it."""
+        if not rc.state_dir:
+            raise ValueError("replay.state_dir: durable mode needs a directory")
+        wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
+                            snapshot_log_bytes=rc.snapshot_log_bytes)  # fmt: skip
+        incarnation = self.state.credits.incarnation  # this process's, not the recovered one
+        found = wal.recover(self.state)
+        if found.ops or found.snapshot_groups:
+            self.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
+            state = self.state
+            log.info("recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
+                     "after the snapshot%s", rc.state_dir, len(state.buffer),
+                     sum(map(len, state.lent.values())), state.policy_version, found.ops,
+                     f"; skipped a bad tail ({found.reason})" if found.reason else "")  # fmt: skip
+        self.recovery = found
+        self.wal = wal
+        self.state.journal = wal.journal
+        self.state.begin(incarnation)
+        wal.commit()
 
     @property
     def policy_version(self) -> int:
@@ -142,6 +170,7 @@ class Hub:
                 self.expire_dead_clients(time.monotonic())
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
+                self.commit()  # durable: the turn's records on disk, then its acks and batches
                 self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
         finally:
             self.close()
@@ -161,6 +190,8 @@ class Hub:
         self.running = False
 
     def close(self) -> None:
+        if self.wal is not None:
+            self.wal.close()
         self.sock.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
@@ -179,7 +210,7 @@ class Hub:
                 break
             handle(frames[0].bytes, frames[1:])
         for identity, ack in self.clients.acks_due():
-            self.send(identity, ack)
+            self.send_committed(identity, ack)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
@@ -303,6 +334,12 @@ class Hub:
         timeout = self.cfg.replay.heartbeat_timeout_s
         for client in self.clients.silent(now, timeout):
             self.drop_client(client, f"silent for more than {timeout} s")
+        if self.orphans_at and now >= self.orphans_at:  # recovered credits nobody came back for
+            self.orphans_at = 0.0
+            for holder in self.state.credits.holders():
+                if self.clients.get(holder) is None:
+                    expired = self.state.expire(holder)
+                    log.info("%r did not come back after recovery; %d credits re-issued", holder, expired)  # fmt: skip
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each.
@@ -337,12 +374,41 @@ class Hub:
             batch = Batch(request_id=request.request_id, policy_version=self.policy_version,
                           groups=tuple(groups), dropped_stale=dropped_stale,
                           wait_s=time.monotonic() - parked.since)  # fmt: skip
-            self.send(parked.identity, batch)
+            self.send_committed(parked.identity, batch)
 
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: Message) -> None:
         self.outbox.send(identity, encode(msg))
+
+    def send_committed(self, identity: bytes, msg: Message) -> None:
+        """Send a message that promises state (an Ack, a Batch): in durable mode only after the
+        records of this loop turn are written (`commit`)."""
+        if self.wal is None:
+            self.send(identity, msg)
+        else:
+            self.gated.append((identity, msg))
+
+    def commit(self) -> None:
+        """Group commit (durable mode): write and fsync the turn's records, then release the
+        messages that waited for them; snapshot when the log has grown long."""
+        if self.wal is None:
+            return
+        self.wal.commit()
+        gated, self.gated = self.gated, []
+        for identity, msg in gated:
+            self.send(identity, msg)
+        if self.wal.due_for_snapshot():
+            self.wal.snapshot(self.state)
+
+    def durability_stats(self) -> dict[str, Any]:
+        wal, found = self.wal, self.recovery
+        if wal is None:
+            return {"mode": "volatile"}
+        return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
+                "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
+                "recovered_snapshot_groups": found.snapshot_groups,
+                "recovery_skipped_bytes": found.skipped_bytes}  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
@@ -357,7 +423,7 @@ class Hub:
             "policy_version": self.policy_version, "stored": len(self.buffer),
             "parked_requests": len(self.parked), "errors": dict(self.errors), "clients": clients,
             "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
-            "groups_lent": lent,
+            "groups_lent": lent, "durability": self.durability_stats(),
             "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
         }  # fmt: skip
 

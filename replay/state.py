@@ -21,7 +21,6 @@ Delivery rules kept here:
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,14 +174,15 @@ class HubState:
     def adopt_version(self, policy_version: int, rewind: bool = False) -> None:
         """The learner's version only moves forward, except once after a new learner session
         (`rewind`); groups now too stale are dropped and their prompts re-issued."""
-        if rewind and self.rewind_pending:
+        if rewind and self.rewind_pending:  # recorded even when nothing else changes
+            self._record("adopt_version", {"policy_version": policy_version, "rewind": True})
             self.rewind_pending = False
             if policy_version < self.policy_version:
-                self._record("adopt_version", {"v": policy_version, "rewind": True})
                 self.buffer.rewind(policy_version, policy_version * self.groups_per_step)
                 return
+        elif policy_version > self.policy_version:
+            self._record("adopt_version", {"policy_version": policy_version, "rewind": False})
         if policy_version > self.policy_version:
-            self._record("adopt_version", {"v": policy_version, "rewind": False})
             self.dropped(self.buffer.drop_stale(policy_version))
 
     def hand_out(self, request_id: int, num_groups: int, durable_lsn: float) -> list[Group]:
@@ -272,15 +272,11 @@ class HubState:
         """Replay one recorded op (recovery): the same change the live op made."""
         assert self.journal is None, "replaying into a state that records"
         if op == "store":
-            group = decode(frames, math.inf, check_values=False)
+            group = decode(frames, 1 << 62, check_values=False)
             assert isinstance(group, Group)
             self.store(args["holder"], group)
         elif op == "hand_out":
             groups = self.buffer.take([(a, s) for a, s in args["keys"]])
             self._lend(args["request_id"], groups)
-        elif op == "adopt_version" and args["rewind"]:
-            self.buffer.rewind(args["v"], args["v"] * self.groups_per_step)
-        elif op == "adopt_version":
-            self.dropped(self.buffer.drop_stale(args["v"]))
         else:
             getattr(self, op)(**args)
