@@ -267,6 +267,7 @@ class HubConnection:
         self._resend_at = 0.0
         self._resend_after_welcome: list[int] = []
         self._registered = False
+        self._lost_at = 0.0
         poller = zmq.Poller()
         poller.register(wake_rx, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
@@ -371,7 +372,10 @@ class HubConnection:
         if first:
             self._welcomed.set()
             return
-        log.info("%s: registered again with the hub", self.hello.client_id)
+        away = time.monotonic() - self._lost_at
+        log.warning("%s: registered again with the hub (%.1f s after it forgot us); re-sending "
+                    "%d unacknowledged groups", self.hello.client_id, away,
+                    len(self._resend_after_welcome))  # fmt: skip
         self._resend_unacked(dealer, self._resend_after_welcome)
         with self._lock:
             last = (self._last_version, self._last_batch_ack, self._pending_request)
@@ -396,7 +400,8 @@ class HubConnection:
                 self._retired |= self._held
                 self._held.clear()
                 self._resend_after_welcome = list(self._unacked)
-            log.info(
+            self._lost_at = time.monotonic()
+            log.warning(
                 "%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id
             )
             self._send_frames(dealer, encode(self.hello))

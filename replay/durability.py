@@ -130,6 +130,7 @@ class WriteAheadLog:
         self.log_bytes = 0  # size of the current segment, pending records included
         self.num_commits = 0
         self.num_snapshots = 0
+        self.snapshot_bytes = 0  # size of the latest snapshot
 
     # --- writing --------------------------------------------------------------------------------
 
@@ -161,7 +162,9 @@ class WriteAheadLog:
         return self.durable_lsn
 
     def due_for_snapshot(self) -> bool:
-        return self.log_bytes >= self.snapshot_log_bytes
+        """The log outgrew `snapshot_log_bytes` and the last snapshot (so snapshot work stays
+        proportional to what was logged)."""
+        return self.log_bytes >= max(self.snapshot_log_bytes, self.snapshot_bytes)
 
     def snapshot(self, state: HubState) -> None:
         """Write the whole state as a new snapshot and start an empty log segment after it."""
@@ -175,6 +178,7 @@ class WriteAheadLog:
                 _write_all(f, pack_record("group", {}, encode(group)))
             f.flush()
             os.fsync(f.fileno())
+            self.snapshot_bytes = f.tell()
         os.replace(tmp, self.dir / "snapshot.bin")
         _fsync_dir(self.dir)
         old = self._segment(self.log_id)

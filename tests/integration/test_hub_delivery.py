@@ -4,6 +4,8 @@ never acknowledged come back to its next session (and only those)."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,62 @@ def test_a_resumed_learner_takes_the_hub_back_to_its_version(tmp_path: Path, hub
     actor.join()
     actor.conn.close()
     second.close()
+
+
+def test_a_durable_hub_killed_and_restarted_loses_and_repeats_nothing(
+    tmp_path: Path, hubs: list
+) -> None:
+    overrides = ["learner.groups_per_step=4", "replay.max_staleness=1000",
+                 "replay.durability=\"durable\"", f"replay.state_dir=\"{tmp_path / 'state'}\"",
+                 "replay.snapshot_log_bytes=20000"]  # fmt: skip
+    first = HubProcess(tmp_path, overrides)
+    hubs.append(first)
+    actor = ActorThread(first.connect("actor", "actor-0", concurrency=8))
+    actor.start()
+    learner = first.connect("learner", "learner", acks_batches=True)
+    consumed: list[str] = []
+    for version in range(6):
+        consumed += [g.group_id for g in sample(learner, version + 1, version, 4).groups]
+        learner.send(BatchAck(request_id=version + 1))
+        advance(learner, version + 1, [actor])
+    lent = [g.group_id for g in sample(learner, 7, 6, 4).groups]  # not acknowledged yet
+    actor.hold.set()  # quiet, so the counts before and after can be compared
+    wait_acked(actor)
+    before = stats(learner)
+    assert before["durability"]["snapshots"] >= 1 and before["groups_lent"] == 4
+    first.kill(signal.SIGKILL)
+    second = HubProcess(tmp_path, overrides, bind=first.endpoint)
+    hubs.append(second)
+    observer = second.connect("client", "observer")
+    after = stats(observer)
+    for key in ("stored", "policy_version", "groups_stored", "groups_trained", "groups_lent",
+                "dataset_epoch", "credits_issued", "credits_outstanding"):  # fmt: skip
+        assert after[key] == before[key], key
+    assert after["durability"]["recovered_ops"] + after["durability"]["recovered_snapshot_groups"]
+    consumed += lent
+    learner.send(BatchAck(request_id=7))  # trained while the hub was down; sent again on reconnect
+    actor.hold.clear()
+    for version in range(7, 12):  # actor and learner reconnect by themselves
+        consumed += [g.group_id for g in sample(learner, version + 1, version, 4).groups]
+        learner.send(BatchAck(request_id=version + 1))
+        advance(learner, version + 1, [actor])
+    actor.stop.set()
+    actor.join()
+    wait_acked(actor)
+    left = stats(observer)["stored"]
+    for request_id in range(13, 13 + left // 4):  # drain what is left
+        consumed += [g.group_id for g in sample(learner, request_id, 12, 4).groups]
+    assert len(consumed) == len(set(consumed))  # nothing handed out twice
+    s = stats(observer)  # every acknowledged group was handed out once or is still stored
+    assert set(consumed) <= set(actor.pushed)
+    assert len(set(actor.pushed)) == len(consumed) + s["stored"] and s["stored"] < 4
+    assert s["groups_duplicate"] >= 0 and s["groups_dropped_stale"] == 0
+    for conn in (actor.conn, learner, observer):
+        conn.close()
+
+
+def wait_acked(actor: ActorThread) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while actor.conn.unacked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert actor.conn.unacked() == 0
