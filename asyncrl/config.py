@@ -41,6 +41,12 @@ class RunSection:
     """torch threads of the learner process; 0 = half the cores (at least 1)."""
     actor_threads: int = 0
     """torch threads of each actor process; 0 = the remaining cores shared among actors."""
+    max_restarts: int = 10
+    """`asyncrl run`: how often one crashed process (hub, an actor, the learner) is restarted
+    before the run ends; 0 = never restart."""
+    restart_backoff_s: float = 1.0
+    """`asyncrl run`: wait before the first restart of a process, doubled for each further
+    restart of it (at most 30 s)."""
 
     def __post_init__(self) -> None:
         _check(self.num_actors >= 1, "run.num_actors", "must be >= 1", self.num_actors)
@@ -49,6 +55,13 @@ class RunSection:
             self.learner_threads >= 0, "run.learner_threads", "must be >= 0", self.learner_threads
         )
         _check(self.actor_threads >= 0, "run.actor_threads", "must be >= 0", self.actor_threads)
+        _check(self.max_restarts >= 0, "run.max_restarts", "must be >= 0", self.max_restarts)
+        _check(
+            self.restart_backoff_s >= 0,
+            "run.restart_backoff_s",
+            "must be >= 0",
+            self.restart_backoff_s,
+        )
         _check(
             self.progress_every_s > 0, "run.progress_every_s", "must be > 0", self.progress_every_s
         )
