@@ -36,6 +36,7 @@ def test_run_restarts_a_killed_hub_actor_and_learner(tmp_path: Path) -> None:
         "--set", f"learner.max_steps={STEPS}", "--set", "learner.checkpoint_every=3",
         "--set", 'replay.durability="durable"', "--set", "run.restart_backoff_s=0.2",
         "--set", "run.max_wall_s=0", "--set", "replay.heartbeat_timeout_s=5.0",
+        "--set", "weights.timeout_s=10.0",  # a publication to the killed actor fails within 10 s
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
