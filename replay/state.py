@@ -154,6 +154,7 @@ class HubState:
         if result is InsertResult.STORED:
             self.counters["groups_stored"] += 1
         elif result is InsertResult.STALE:
+            self.counters["groups_stale_on_arrival"] += 1
             self.dropped([group])
         return result
 
