@@ -9,9 +9,11 @@
 ```
 
 Delivery figures (group = (actor_id, seq)):
-- `produced`: distinct groups the actors' pushes brought to the hub (resends counted once);
-- `acked`: distinct groups the hub acknowledged (stored, or stale on arrival: dropped, prompt
-  re-issued);
+- `produced`: distinct groups the actors' pushes brought to the hub (resends counted once; a
+  group still being generated when its actor was killed never existed for anyone);
+- `acked`: of those, the groups the hub acknowledged (stored, or stale on arrival: dropped,
+  prompt re-issued); a push refused for capacity is pushed again until it is acknowledged, so
+  the two are equal when nothing is lost on the way in;
 - `consumed`: distinct groups the learner trained on (any learner process);
 - `lost` = stored - consumed - dropped stale after storing - still stored or lent: an
   acknowledged group that went nowhere (must be 0);
@@ -147,7 +149,7 @@ def audit(run_dir: Path) -> dict[str, Any]:
     remaining = len(state.buffer) + sum(map(len, state.lent.values()))
     dropped_after = c["groups_dropped_stale"] - c["groups_stale_on_arrival"]
     return {
-        "produced": c["groups_received"] - c["groups_duplicate"],
+        "produced": c["groups_stored"] + c["groups_stale_on_arrival"],
         "acked": c["groups_stored"] + c["groups_stale_on_arrival"],
         "consumed": len(every),
         "lost": c["groups_stored"] - len(every) - dropped_after - remaining,

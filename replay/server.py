@@ -278,7 +278,7 @@ class Hub:
             )
         seq, credit_id = g.seq, g.credit_id
         if self.state.is_resend(g.actor_id, seq):  # taken before: ack again, store once
-            counters["groups_duplicate"] += 1
+            self.state.resend(g.actor_id, seq)
             return self.clients.owe_ack(client, seq, credit_id)
         self.state.store(client.identity, g, frames)  # a refusal raises ProtocolError
         self.clients.owe_ack(client, seq, credit_id)  # acked at the end of the burst

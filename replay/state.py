@@ -220,6 +220,11 @@ class HubState:
 
     # --- helpers --------------------------------------------------------------------------------
 
+    def resend(self, actor_id: str, seq: int) -> None:
+        """A group taken before came again (acknowledged again, not stored): counted."""
+        self._record("resend", {"actor_id": actor_id, "seq": seq})
+        self.counters["groups_duplicate"] += 1
+
     def is_resend(self, actor_id: str, seq: int) -> bool:
         """A group with this (actor_id, seq) was already taken: acknowledge it, store nothing."""
         window = self.windows.get(actor_id)
