@@ -8,7 +8,8 @@
 
 On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot), `wal-<N>.log`
 (N = the snapshot's `log_id`: the log of the ops that followed it) and `LOCK` (one hub per
-directory). A record is `u32 body_len, u32 crc32(body), body`; body = `u32 meta_len`,
+directory). A record is `u32 body_len, u64 xxh3_64(body), body` (xxh3: a 64-bit checksum
+about 8x cheaper than zlib's crc32 on 256 KB groups); body = `u32 meta_len`,
 msgpack `[op, args, [frame lengths]]`, then the frames (a Group's received wire frames, not
 re-encoded). Recovery loads the snapshot, then replays the log record by record with
 `HubState.apply`, and stops at the first record that is torn (the file ends inside it) or
@@ -26,19 +27,19 @@ import fcntl
 import logging
 import os
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+import xxhash
 
 from asyncrl.protocol import Group, decode, encode
 from replay.state import HubState
 
 log = logging.getLogger("asyncrl.replay")
-HEADER = struct.Struct("<II")  # body length, crc32 of the body
+HEADER = struct.Struct("<IQ")  # body length, xxh3_64 of the body
 META_LEN = struct.Struct("<I")
 MAX_RECORD_BYTES = 1 << 31  # a longer length field is corruption, not a record
 IOV_MAX = 512  # buffers per writev call
@@ -59,11 +60,11 @@ def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any]) -> list[An
     views = [memoryview(f).cast("B") for f in frames]
     meta = msgpack.packb([op, args, [v.nbytes for v in views]], use_bin_type=True)
     parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
-    crc = 0
+    digest = xxhash.xxh3_64()
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        digest.update(part)
     body_len = sum(memoryview(p).nbytes for p in parts)
-    return [HEADER.pack(body_len, crc), *parts]
+    return [HEADER.pack(body_len, digest.intdigest()), *parts]
 
 
 def read_records(f: BinaryIO) -> Iterator[tuple[int, str, dict[str, Any], list[bytes]]]:
@@ -76,13 +77,13 @@ def read_records(f: BinaryIO) -> Iterator[tuple[int, str, dict[str, Any], list[b
             return
         if len(head) < HEADER.size:
             raise TornRecord(offset, "torn record header")
-        body_len, crc = HEADER.unpack(head)
+        body_len, checksum = HEADER.unpack(head)
         if not META_LEN.size <= body_len < MAX_RECORD_BYTES:
             raise TornRecord(offset, f"impossible record length {body_len}")
         body = f.read(body_len)
         if len(body) < body_len:
             raise TornRecord(offset, f"torn record ({len(body)} of {body_len} bytes)")
-        if zlib.crc32(body) != crc:
+        if xxhash.xxh3_64_intdigest(body) != checksum:
             raise TornRecord(offset, "checksum mismatch")
         yield offset + HEADER.size + body_len, *_parse_body(memoryview(body), offset)
         offset += HEADER.size + body_len
