@@ -71,8 +71,10 @@ def steps_done(run_dir: Path) -> int:
 
 
 def kill_schedule(args: argparse.Namespace, run: subprocess.Popen[str], run_dir: Path) -> Counter:
-    """SIGKILL a random role at seeded random times until `duration_s - quiet_s`; returns the
-    kills per role (only processes seen alive are killed, each pid once)."""
+    """SIGKILL a random role at seeded random times until `duration_s - quiet_s`, each kill
+    after the run has made `min_steps` learner steps since the previous one (so every kill
+    tests a recovery, not a process still starting); returns the kills per role (only
+    processes seen alive are killed, each pid once)."""
     rng = random.Random(args.seed)
     kills: Counter[str] = Counter()
     killed: set[int] = set()
@@ -82,9 +84,10 @@ def kill_schedule(args: argparse.Namespace, run: subprocess.Popen[str], run_dir:
         time.sleep(0.2)
     end = time.monotonic() + args.duration_s - args.quiet_s
     next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval_s
+    last_step = 0
     while time.monotonic() < end and run.poll() is None:
         time.sleep(0.2)
-        if time.monotonic() < next_kill:
+        if time.monotonic() < next_kill or steps_done(run_dir) < last_step + args.min_steps:
             continue
         role = rng.choice(ROLES)
         pids = json.loads((run_dir / "pids.json").read_text())
@@ -96,7 +99,8 @@ def kill_schedule(args: argparse.Namespace, run: subprocess.Popen[str], run_dir:
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
         kills[role] += 1
-        print(f"chaos: killed {name} (pid {pid}) at step {steps_done(run_dir)}", flush=True)
+        last_step = steps_done(run_dir)
+        print(f"chaos: killed {name} (pid {pid}) after {last_step} steps", flush=True)
         next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval_s
     return kills
 
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.toml"))
     p.add_argument("--duration-s", type=float, default=360.0)
     p.add_argument("--interval-s", type=float, default=20.0, help="mean time between kills")
+    p.add_argument("--min-steps", type=int, default=3, help="learner steps between kills")
     p.add_argument("--quiet-s", type=float, default=20.0, help="no kills in the last seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--actors", type=int, default=1)
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "chaos.json"))
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="asyncrl-chaos-")) / "run"
+    env = environment()  # the commit measured, before anything else moves
     run = start_run(args, run_dir)
     try:
         kills = kill_schedule(args, run, run_dir)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "chaos", "command": " ".join([sys.executable, *sys.argv]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        **environment(), "run_exit_code": run.returncode,
+        **env, "run_exit_code": run.returncode,
         "run_ended": out.strip().splitlines()[-1] if out.strip() else "",
         "kills": dict(kills), "kills_total": sum(kills.values()),
         "restarts": summary.get("restarts", {}), **audit(run_dir),
