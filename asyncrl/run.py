@@ -8,11 +8,15 @@
   stop: the learner exits after learner.max_steps (or run.max_wall_s / Ctrl-C sends it SIGTERM;
   it checkpoints and hands its final weights to the actors), then actors, then the hub get
   SIGTERM, each by pid; anything still alive after a grace period is killed, by pid.
+  crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
+  with backoff; a run that cannot go on ends with one line saying why.
 ```
 
 The run directory receives: config.toml (resolved), prompts.jsonl, metrics.jsonl, tb/
 (TensorBoard), checkpoints/, actor-*.json (each actor's final version and weights digest),
-learner_summary.json, hub.log / actor-*.log / learner.log, reward.png and summary.json.
+learner_summary.json, hub.log / actor-*.log / learner.log, reward.png and summary.json;
+trained_groups.jsonl (the groups of each learner step) and, for a durable hub, replay/ (its
+write-ahead log and snapshot).
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ held, a message from an unregistered routing id) is answered with `Error(code, f
 to its sender only, counted by code, logged at most once per sender per minute; everyone else
 keeps being served. A group for a credit of an earlier hub process (the hub restarted) is
 accepted as completed work; see asyncrl/hub_connection.py for the delivery rule.
+
+State and delivery (replay/state.py): dedup by (actor_id, seq) across connections and hub
+processes, batches lent to the learner until `BatchAck`. With `replay.durability = "durable"`
+every state change is logged (replay/durability.py); each loop turn ends with one group commit,
+and the turn's Acks and Batches leave only after it, so whatever was acknowledged survives a
+SIGKILL: a hub restarted on the same `replay.state_dir` recovers it and carries on, and the
+credits of clients that do not come back within heartbeat_timeout_s are re-issued.
 """
 
 from __future__ import annotations
