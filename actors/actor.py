@@ -103,6 +103,12 @@ class Actor:
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.started = time.perf_counter()
+        if receiver is not None and cfg.actor.weight_update == "in_flight":
+            if not hasattr(engine, "between_steps"):
+                raise ValueError(
+                    f"actor.weight_update: {type(engine).__name__} cannot update weights in flight"
+                )
+            engine.between_steps = self.swap_weights  # type: ignore[attr-defined]
         if receiver is not None:
             conn.on(WeightsAnnounce, self.on_announce)
             receiver.on_ready = conn.interrupt  # an actor idle without credits swaps at once
@@ -256,7 +262,7 @@ class Actor:
                 behavior_logprobs=logprobs, reward=reward, min_policy_version=version,
                 max_policy_version=max(ep.max_version, version), finish_reason=ep.finish_reason,
                 reward_failed=ep.reward_failed, num_turns=ep.num_turns, tool_s=ep.tool_s,
-                env_s=ep.env_s,
+                env_s=ep.env_s, version_spans=ep.version_spans(),
             ))  # fmt: skip
         failures = sum(1 for ep in group.episodes if ep.reward_failed)
         self.stats["reward_failures"] += failures
@@ -294,7 +300,9 @@ class Actor:
         """The actor's counters with its episodes' (rounds, generate_s, env and tool time,
         tool calls, finish reasons)."""
         finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
-        return {**self.stats, **self.episodes.stats, **finish}
+        inflight = {k: getattr(self.engine, k) for k in ("inflight_updates", "inflight_recompute_s")
+                    if hasattr(self.engine, k)}  # fmt: skip
+        return {**self.stats, **self.episodes.stats, **finish, **inflight}
 
 
 def generation_request(

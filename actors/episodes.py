@@ -80,6 +80,8 @@ class Episode:
     deadline: float
     chunks: list[tuple[np.ndarray, np.ndarray | None]] = field(default_factory=list)
     """(token ids, behaviour logprobs) per stretch: logprobs for model turns, None for env text."""
+    versions: list[np.ndarray | None] = field(default_factory=list)
+    """Per chunk: the policy version of each model token (None for environment text)."""
     num_tokens: int = 0
     model_texts: list[str] = field(default_factory=list)
     num_turns: int = 0
@@ -109,6 +111,21 @@ class Episode:
 
     def context(self) -> list[int]:
         return self.prompt + [int(t) for tokens, _ in self.chunks for t in tokens]
+
+    def version_spans(self) -> tuple[int, ...]:
+        """Flat (first completion token, version) pairs where the producing version changes
+        (environment tokens carry the version before them); () when one version made it all."""
+        spans: list[int] = []
+        at, current = 0, -1
+        for (tokens, _), versions in zip(self.chunks, self.versions, strict=True):
+            if versions is None:
+                at += len(tokens)
+                continue
+            for offset in np.flatnonzero(np.diff(versions, prepend=current)):
+                current = int(versions[offset])
+                spans += [at + int(offset), current]
+            at += len(tokens)
+        return tuple(spans) if len(spans) > 2 else ()
 
     def trajectory(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens [L], loss_mask [L - prompt_len], behaviour logprobs [L - prompt_len])."""
@@ -236,7 +253,6 @@ class EpisodeRunner:
         self.stats["rounds"] += 1
         self.stats["generate_s"] += gen_s
         self.round_generate_s.append(gen_s)
-        version = self.engine.policy_version
         turns = [(ep, s) for (_, eps), samples in zip(batches, outputs, strict=True)
                  for ep, s in zip(eps, samples, strict=True)]  # fmt: skip
         texts = self.tokenizer.batch_decode(
@@ -245,7 +261,7 @@ class EpisodeRunner:
         for group in {id(ep.group): ep.group for ep, _ in turns}.values():
             group.generate_s += gen_s
         for (ep, sample), text in zip(turns, texts, strict=True):
-            self.add_turn(ep, sample, text, version)
+            self.add_turn(ep, sample, text)
         self.dispatch([(ep, text) for (ep, _), text in zip(turns, texts, strict=True)])
 
     def requests(self, ready: Sequence[Episode]) -> list[tuple[GenerationRequest, list[Episode]]]:
@@ -274,15 +290,19 @@ class EpisodeRunner:
             out.append((request, eps))
         return out
 
-    def add_turn(self, ep: Episode, sample: Sample, text: str, version: int) -> None:
+    def add_turn(self, ep: Episode, sample: Sample, text: str) -> None:
         tokens = np.asarray(sample.completion_tokens, dtype=np.int32)
         ep.chunks.append((tokens, np.asarray(sample.logprobs, dtype=np.float32)))
+        versions = sample.token_versions()
+        ep.versions.append(versions)
         ep.num_tokens += len(tokens)
         ep.model_texts.append(text)
         ep.num_turns += 1
         ep.truncated = sample.finish_reason == "length"
-        ep.min_version = version if ep.min_version < 0 else min(ep.min_version, version)
-        ep.max_version = max(ep.max_version, version)
+        low, high = (int(versions.min()), int(versions.max())) if len(versions) else (-1, -1)
+        if low >= 0:
+            ep.min_version = low if ep.min_version < 0 else min(ep.min_version, low)
+        ep.max_version = max(ep.max_version, high)
         self.stats["turns"] += 1
 
     def dispatch(self, turns: Sequence[tuple[Episode, str]]) -> None:
@@ -337,6 +357,7 @@ class EpisodeRunner:
             self.finish(ep, "length")  # no room left for another model turn
             return
         ep.chunks.append((tokens, None))
+        ep.versions.append(None)
         ep.num_tokens += len(tokens)
 
     def finish(self, ep: Episode, reason: str, failed: str = "") -> None:

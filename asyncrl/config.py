@@ -314,6 +314,12 @@ class ActorConfig:
     env_workers: int = 4
     """Threads that run environment steps and tool calls, so a slow tool never holds up the
     generation of other episodes; 0 = run every step on the actor's main thread."""
+    weight_update: Literal["between_groups", "in_flight"] = "between_groups"
+    """When received weights are loaded: `between_groups` at generation boundaries (between
+    engine calls: a round, or a turn of multi-turn episodes); `in_flight` also between the
+    decoding steps of the sequences being generated, which continue under the new weights
+    (each token records its version; the KV cache is recomputed). The hub's staleness bound
+    counts from a trajectory's oldest token."""
 
     @property
     def num_window_credits(self) -> int:

@@ -15,7 +15,12 @@ What a valid group is (`check_group` states it field by field):
 - 0 <= min_policy_version_i <= max_policy_version_i; finish reasons from FINISH_REASONS;
   rewards and timings finite;
 - the episode lists (`num_turns` >= 0, `tool_s`, `env_s` finite) are empty (not recorded, and
-  then off the wire) or hold one entry per trajectory.
+  then off the wire) or hold one entry per trajectory;
+- `version_spans` (flat triples: trajectory, first completion token, version) lists, per
+  trajectory it covers, spans in order: the first at token 0 with the trajectory's min version,
+  later ones at increasing tokens inside its completion with increasing versions, the last
+  with its max version; a trajectory it does not cover has no per-token versions recorded
+  (its tokens count as its min version's, the oldest).
 
 The value rules (ids, masks, logprobs) scan the arrays: two or three numpy reductions per array,
 the only per-byte work of a decode. `values=False` skips them, for groups that arrive inside a
@@ -74,6 +79,11 @@ def decode_group(
     rewards, extras, episode = _finite_rewards(rewards), _extras(data), _episode_lists(data, n)
     if rewards is None or extras is None or episode is None:
         return None
+    spans = data["version_spans"] if "version_spans" in data else []
+    if spans and (type(spans) is not list or set(map(type, spans)) != _INT):
+        return None
+    if spans_problem(spans, lo, hi, [a - b for a, b in zip(seq_lens, prompt_lens, strict=True)]):
+        return None
     num_tokens = sum(seq_lens)
     arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
     if arrays is None or (values and not _values_ok(*arrays)):
@@ -86,9 +96,33 @@ def decode_group(
         seq_lens=seq_lens, prompt_lens=prompt_lens, rewards=rewards, min_policy_versions=lo,
         max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
         loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
-        num_turns=episode[0], tool_s=episode[1], env_s=episode[2],
+        num_turns=episode[0], tool_s=episode[1], env_s=episode[2], version_spans=spans,
     )  # fmt: skip
     return g
+
+
+def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: list[int]) -> str:
+    """What is wrong with a group's `version_spans` (see the module docstring), or ""."""
+    if not spans:
+        return ""
+    if len(spans) % 3:
+        return "must hold (trajectory, first token, version) triples"
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for i in range(0, len(spans), 3):
+        t, first, version = spans[i : i + 3]
+        if not 0 <= t < len(lo):
+            return f"trajectory index {t} out of range"
+        covered.setdefault(t, []).append((first, version))
+    last_t = -1
+    for t in sorted(covered):
+        pairs = covered[t]
+        if t < last_t or pairs[0] != (0, lo[t]) or pairs[-1][1] != hi[t]:
+            return f"trajectory {t}: spans must start at token 0 with min_policy_version and end with max_policy_version"
+        for (f0, v0), (f1, v1) in zip(pairs, pairs[1:], strict=False):
+            if not (f0 < f1 < completion[t] and v0 < v1):
+                return f"trajectory {t}: spans must grow in token and version inside the completion"
+        last_t = t
+    return ""
 
 
 def _lists_ok(seq_lens: Any, prompt_lens: Any, lo: Any, hi: Any, tids: Any, finish: Any,
@@ -137,6 +171,8 @@ def _extras(data: dict[str, Any]) -> tuple[dict, dict] | None:
 
 
 EPISODE_LISTS = ("num_turns", "tool_s", "env_s")
+OPTIONAL_LISTS = (*EPISODE_LISTS, "version_spans")
+"""Per-group lists that stay off the wire when empty."""
 
 
 def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | None:
@@ -235,6 +271,10 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
             raise ProtocolError(prefix + name, f"has {len(g[name])} entries for {n} trajectories")
     if g["num_turns"] and min(g["num_turns"]) < 0:
         raise ProtocolError(prefix + "num_turns", "must be >= 0")
+    completion = [a - b for a, b in zip(seq_lens, prompt_lens, strict=True)]
+    problem = spans_problem(g["version_spans"], lo, hi, completion)
+    if problem:
+        raise ProtocolError(prefix + "version_spans", problem)
     timings = g["timings"]
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(_isfinite, timings.values()))
@@ -256,7 +296,7 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
-    for name in EPISODE_LISTS:
+    for name in OPTIONAL_LISTS:
         if not out[name]:
             del out[name]  # not recorded: off the wire, as before these fields existed
     for name, dtype, dtype_name in _ENCODED_ARRAYS:

@@ -121,10 +121,23 @@ class Trajectory:
     num_turns: int = 1  # model turns of the episode
     tool_s: float = 0.0  # seconds the episode spent in tool calls
     env_s: float = 0.0  # seconds the episode spent in the environment (tools included)
+    version_spans: tuple[int, ...] = ()
+    """Flat (first completion token, policy version) pairs, one per version the trajectory
+    spans, in order; empty = not recorded: every token counts as `min_policy_version`'s (the
+    oldest, as the hub's bound does)."""
 
     @property
     def completion_tokens(self) -> np.ndarray:
         return self.tokens[self.prompt_len :]
+
+    def token_versions(self) -> np.ndarray:
+        """int32 [L - prompt_len]: the policy version behind each completion token (tokens an
+        environment added carry the version of the model turn before them)."""
+        out = np.full(len(self.tokens) - self.prompt_len, self.min_policy_version, np.int32)
+        spans = self.version_spans
+        for i in range(0, len(spans), 2):
+            out[spans[i] :] = spans[i + 1]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +167,9 @@ class Group:
     num_turns: list[int] = _appended(factory=list)
     tool_s: list[float] = _appended(factory=list)
     env_s: list[float] = _appended(factory=list)
+    # trajectories made by several policy versions (in-flight updates, multi-turn episodes):
+    # flat (trajectory index, first completion token, version) triples; see Trajectory
+    version_spans: list[int] = _appended(factory=list)
 
     @property
     def size(self) -> int:
@@ -174,6 +190,10 @@ class Group:
 
     def trajectories(self) -> list[Trajectory]:
         """Per-sample views into the columnar arrays (no copies)."""
+        spans: dict[int, list[int]] = {}
+        flat = self.version_spans
+        for i in range(0, len(flat), 3):
+            spans.setdefault(flat[i], []).extend(flat[i + 1 : i + 3])
         out: list[Trajectory] = []
         tok = comp = 0
         for i, (length, plen) in enumerate(zip(self.seq_lens, self.prompt_lens, strict=True)):
@@ -193,6 +213,7 @@ class Group:
                     num_turns=self.num_turns[i] if self.num_turns else 1,
                     tool_s=self.tool_s[i] if self.tool_s else 0.0,
                     env_s=self.env_s[i] if self.env_s else 0.0,
+                    version_spans=tuple(spans.get(i, ())),
                 )
             )
             tok += length
@@ -239,6 +260,12 @@ class Group:
             metadata=dict(metadata or {}),
             timings=dict(timings or {}),
             **_episode_lists(trajectories),
+            version_spans=[
+                x
+                for i, t in enumerate(trajectories)
+                for j in range(0, len(t.version_spans), 2)
+                for x in (i, *t.version_spans[j : j + 2])
+            ],  # fmt: skip
         )
 
 

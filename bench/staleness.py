@@ -2,6 +2,7 @@
 
     python bench/staleness.py [--config configs/tiny_cpu.toml] [--etas 0,1,2,4,8]
                               [--losses decoupled_ppo,ppo] [--seeds 1] [--budget-s 120]
+                              [--modes between_groups,in_flight]
     asyncrl bench staleness ...                       (the same, from the repository root)
 
 For every (loss, η, seed) point it runs `asyncrl run` (hub, actors, learner as processes) for
@@ -15,6 +16,12 @@ Writes `bench/results/staleness.json` (`points`, each with `max_staleness`, `los
 two pictures: `staleness_throughput.png` (samples/s and idle fractions vs η) and
 `staleness_reward.png` (reward vs wall-clock per η and loss). The point fields also serve the
 simulator's calibration (bench/sim/calibrate.py).
+
+`--modes` sweeps `actor.weight_update` too (default: between_groups only). With both modes the
+JSON adds `inflight_eta1_over_between_eta4` (samples/s of in-flight updates at η = 1 over
+between-groups updates at η = 4) and per point the actors' idle fraction, in-flight updates and
+tokens generated per weight version; `final_reward_eta8_minus_eta0` (first loss,
+between-groups, median of seeds) is there whenever η = 0 and η = 8 are.
 """
 
 from __future__ import annotations
@@ -45,16 +52,18 @@ DIAGNOSTICS = ("is_weight_mean", "is_weight_max", "ess", "clipped_frac", "masked
 
 
 def run_point(
-    cfg: RunConfig, loss: str, eta: int, seed: int, budget_s: float, work: Path
-) -> dict[str, Any]:
+    cfg: RunConfig, loss: str, eta: int, seed: int, budget_s: float, work: Path,
+    mode: str = "between_groups",
+) -> dict[str, Any]:  # fmt: skip
     """One real run; its measurements (curves included, for the reward-at-fixed-x columns)."""
-    run_dir = work / f"{loss}-eta{eta}-seed{seed}"
+    run_dir = work / f"{loss}-eta{eta}-seed{seed}-{mode}"
     point_cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, run_dir=str(run_dir), seed=seed, max_wall_s=budget_s),
         replay=dataclasses.replace(cfg.replay, max_staleness=eta),
         loss=dataclasses.replace(cfg.loss, name=loss),
         learner=dataclasses.replace(cfg.learner, max_steps=1_000_000),
+        actor=dataclasses.replace(cfg.actor, weight_update=mode),
     )
     summary = run(point_cfg, run_dir, quiet=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -63,7 +72,14 @@ def run_point(
             f"{run_dir}: only {len(rows)} learner steps; raise --budget-s (exit codes {summary['exit_codes']})"
         )
     actors = [json.loads(p.read_text()) for p in sorted(run_dir.glob("actor-*.json"))]
-    return measure(rows, actors, eta, loss, seed)
+    point = measure(rows, actors, eta, loss, seed)
+    stats = [a["stats"] for a in actors]
+    point["weight_update"] = mode
+    point["inflight_updates"] = sum(int(s.get("inflight_updates", 0)) for s in stats)
+    point["tokens_per_weight_version"] = sum(s["tokens"] for s in stats) / max(
+        1, sum(int(s.get("weights_loaded", 0)) for s in stats)
+    )
+    return point
 
 
 def measure(
@@ -137,8 +153,10 @@ def reward_at(points: list[dict[str, Any]]) -> None:
         p["reward_at_fixed_steps"] = {"steps": n_fixed, "reward": statistics.fmean(near_n)}
 
 
-def by(points: list[dict[str, Any]], loss: str, eta: int, key: str) -> float | None:
-    values = [p[key] for p in points if p["loss"] == loss and p["max_staleness"] == eta]
+def by(points: list[dict[str, Any]], loss: str, eta: int, key: str,
+       mode: str = "between_groups") -> float | None:  # fmt: skip
+    values = [p[key] for p in points if p["loss"] == loss and p["max_staleness"] == eta
+              and p.get("weight_update", "between_groups") == mode]  # fmt: skip
     return statistics.median(values) if values else None
 
 
@@ -211,6 +229,7 @@ def main() -> None:
     p.add_argument(
         "--budget-s", type=float, default=120.0, help="wall-clock per point, start-up included"
     )
+    p.add_argument("--modes", default="between_groups", help="actor.weight_update values")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "staleness.json"))
     args = p.parse_args()
     cfg = load_config(args.config, args.set)
@@ -220,22 +239,25 @@ def main() -> None:
 
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point
     # interleaved (each η's losses back to back) so slow drifts in machine load hit all alike
-    combos = [(loss, eta, seed) for seed in range(args.seeds) for eta in etas for loss in losses]
+    modes = args.modes.split(",")
+    combos = [(loss, eta, seed, mode) for seed in range(args.seeds) for eta in etas
+              for mode in modes for loss in losses]  # fmt: skip
     points = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-staleness-") as tmp:
-        for i, (loss, eta, seed) in enumerate(combos, 1):
+        for i, (loss, eta, seed, mode) in enumerate(combos, 1):
             print(
-                f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed}: running for {args.budget_s:.0f} s ...",
+                f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed} {mode}: running for {args.budget_s:.0f} s ...",
                 flush=True,
             )
             start = time.perf_counter()
-            point = run_point(cfg, loss, eta, cfg.run.seed + seed, args.budget_s, Path(tmp))
+            point = run_point(cfg, loss, eta, cfg.run.seed + seed, args.budget_s, Path(tmp), mode)
             point["prompt_tokens"] = cfg.task.num_digits + 2  # <bos>, digits, ':'
             points.append(point)
             print(f"[{i}/{len(combos)}]   {point['samples_per_s']:.1f} samples/s, learner waits {point['learner_wait_fraction']:.0%}, "
                   f"reward {point['final_reward']:.3f}, mean staleness {point['staleness_mean']:.2f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     reward_at(points)
+    between = [q for q in points if q["weight_update"] == "between_groups"]
     first = losses[0]
     base = by(points, first, 0, "samples_per_s")
     fast = by(points, first, 4, "samples_per_s")
@@ -247,15 +269,29 @@ def main() -> None:
         "budget_s": args.budget_s,
         "speedup_eta4_vs_eta0": fast / base if base and fast else None,
         "speedup_loss": first,
-        "samples_per_s_by_eta": {loss: {str(e): spread([q["samples_per_s"] for q in points if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
-        "final_reward_by_eta": {loss: {str(e): spread([q["final_reward"] for q in points if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
+        "inflight_eta1_over_between_eta4": _ratio(
+            by(points, first, 1, "samples_per_s", "in_flight"), fast
+        ),
+        "final_reward_eta8_minus_eta0": _difference(
+            by(points, first, 8, "final_reward"), by(points, first, 0, "final_reward")
+        ),
+        "samples_per_s_by_eta": {loss: {str(e): spread([q["samples_per_s"] for q in between if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
+        "final_reward_by_eta": {loss: {str(e): spread([q["final_reward"] for q in between if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
         "points": points,
     }  # fmt: skip
     write_json(out, result)
-    plot(points, losses, etas, out.parent)
+    plot(between or points, losses, etas, out.parent)
     print(
         f"speedup η=4 vs η=0 ({first}): {result['speedup_eta4_vs_eta0']}; wrote {out}", flush=True
     )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -309,6 +310,7 @@ class Learner:
             "num_actors": len(self.members),
             **{k: v for k, v in loss_stats.items() if k != "num_tokens"},
             **episode_metrics(groups),
+            **version_metrics(groups, self.policy_version - 1, self.cfg.replay.max_staleness),
         }
 
     def checkpoint(self) -> Path:
@@ -429,6 +431,27 @@ def episode_metrics(groups: Sequence[Group]) -> dict[str, float]:
         for key in ("tool_calls", "tool_errors", "malformed_calls"):
             out[f"{key}_per_episode"] = sum(int(g.metadata.get(key, 0)) for g in groups) / num
     return out
+
+
+def version_metrics(groups: Sequence[Group], version: int, eta: int) -> dict[str, Any]:
+    """Staleness (`version` minus the producing version) counted per trajectory (its oldest
+    token, what the hub's bound uses) and per model token; and the share of trajectories
+    made by more than one version (in-flight updates, multi-turn episodes)."""
+    per_traj, per_token, mixed = [], np.zeros(eta + 2, np.int64), 0
+    for g in groups:
+        for t in g.trajectories():
+            per_traj.append(version - t.min_policy_version)
+            mixed += t.max_policy_version > t.min_policy_version
+            ages = version - t.token_versions()[t.loss_mask.astype(bool)]
+            per_token += np.bincount(np.clip(ages, 0, eta + 1), minlength=eta + 2)
+    return {
+        "staleness_hist_trajectories": _histogram(per_traj, eta),
+        "staleness_hist_tokens": per_token.tolist(),
+        "staleness_tokens_mean": float(
+            (per_token * np.arange(eta + 2)).sum() / max(per_token.sum(), 1)
+        ),
+        "mixed_version_frac": mixed / max(len(per_traj), 1),
+    }
 
 
 def _histogram(values: Sequence[int], max_staleness: int) -> list[int]:

@@ -47,12 +47,27 @@ class Sample:
     finish_reason: Literal["stop", "length"]
     """`stop` if a stop token ended it, `length` if max_new_tokens did."""
     policy_version: int = 0
-    """Policy version of the weights that produced it."""
+    """Policy version of the weights that produced it (the first token's, see `versions`)."""
     extra: dict[str, float] = field(default_factory=dict)
+    versions: np.ndarray | None = None
+    """int32 [T]: the policy version that produced each token, when weights changed while the
+    sample was being generated (in-flight updates); None = every token `policy_version`'s."""
+
+    def token_versions(self) -> np.ndarray:
+        """int32 [T]: the version behind each token (filled in when not recorded)."""
+        if self.versions is not None:
+            return self.versions
+        return np.full(len(self.completion_tokens), self.policy_version, dtype=np.int32)
 
 
 class Engine(Protocol):
-    """What the actor loop needs from a generation engine."""
+    """What the actor loop needs from a generation engine.
+
+    In-flight weight updates: an engine that supports them has a `between_steps` attribute
+    (a callable or None). During `generate` it calls it between decoding steps; the callable
+    may call `load_weights`, and the sequences in flight continue under the new weights, every
+    later token recording the new version (`Sample.versions`).
+    """
 
     @property
     def policy_version(self) -> int:

@@ -12,6 +12,14 @@ One `generate` call samples every request's `n` completions as one batch:
   +---- forward the sampled tokens of the rows still running (one token each, cached)
 ```
 
+In-flight weight updates: with `between_steps` set, the engine calls it after every sampled
+token; when that call loaded new weights (`load_weights`), the KV cache of the rows still
+running is recomputed under the new weights (one prefill over prompt + tokens so far), so each
+later token is sampled from exactly the new version given its context, and its behaviour
+logprob is that version's. The recompute costs one prefill per update and generate call
+(`inflight_recompute_s` adds its seconds up); keeping the old cache would be free but make a
+token's distribution a mix of two versions that no learner can recompute.
+
 Prompts of different lengths share the batch through left padding, an attention mask and
 position ids counted over real tokens only, so a row's logprobs do not depend on its
 neighbours. Sampling noise comes from the request's own generator when `seed` is set (the
@@ -22,7 +30,8 @@ sampled from, after temperature and top-p, which is what importance correction n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +79,12 @@ class TorchEngine:
         # checkpoint names (MoE experts one by one, as views into the fused parameters)
         self._params = dict(checkpoint_tensors(model.named_parameters(remove_duplicate=False)))
         self._policy_version = 0
+        self.between_steps: Callable[[], None] | None = None
+        """Called between decoding steps (in-flight weight updates; see the module doc)."""
+        self.inflight_recompute_s = 0.0
+        """Seconds spent recomputing KV caches after in-flight weight updates."""
+        self.inflight_updates = 0
+        """Weight updates applied while sequences were in flight."""
 
     @property
     def policy_version(self) -> int:
@@ -135,12 +150,12 @@ class TorchEngine:
         for i, req in enumerate(requests):
             _check_request(i, req)
         with torch.inference_mode():
-            tokens, logprobs, lengths, stopped = self._sample_batch(requests)
-        return self._to_samples(requests, tokens, logprobs, lengths, stopped)
+            tokens, logprobs, lengths, stopped, versions = self._sample_batch(requests)
+        return self._to_samples(requests, tokens, logprobs, lengths, stopped, versions)
 
     def _sample_batch(
         self, requests: Sequence[GenerationRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         dev = self._device
         row_req = torch.repeat_interleave(
             torch.arange(len(requests), device=dev),
@@ -166,10 +181,13 @@ class TorchEngine:
         lengths = torch.zeros(num_rows, dtype=torch.long, device=dev)
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
         active = torch.arange(num_rows, device=dev)  # rows still running, in batch order
+        versions = None  # [rows, max_new] once weights change mid-generation
         for step in range(max_new):
             noise = self._noise(row_req, seeded, logits.shape[-1])[active]
             token, logprob = _sample(logits, temps[active], top_ps[active], noise)
             out_tokens[active, step], out_logprobs[active, step] = token, logprob
+            if versions is not None:
+                versions[active, step] = self._policy_version
             lengths[active] = step + 1
             hit_stop = (token.unsqueeze(1) == stop_table[active]).any(dim=1)
             stopped[active] = hit_stop
@@ -186,8 +204,47 @@ class TorchEngine:
                 )
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             positions = positions + 1
+            version = self._policy_version
+            if self.between_steps is not None:
+                self.between_steps()
+            if self._policy_version != version:  # new weights: recompute the cache under them
+                if versions is None:
+                    versions = torch.full(
+                        (num_rows, max_new), version, dtype=torch.int32, device=dev
+                    )
+                cache, logits, mask = self._recompute(
+                    requests, row_req, active, out_tokens, step + 1
+                )
+                positions = mask.sum(dim=1, keepdim=True) - 1
+                continue
             logits = self._forward(token.unsqueeze(1), mask, positions, cache)
-        return out_tokens, out_logprobs, lengths, stopped
+        return out_tokens, out_logprobs, lengths, stopped, versions
+
+    def _recompute(
+        self,
+        requests: Sequence[GenerationRequest],
+        row_req: torch.Tensor,
+        active: torch.Tensor,
+        out_tokens: torch.Tensor,
+        done: int,
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """A fresh KV cache of the running rows' prompt + first `done` tokens under the weights
+        loaded now, the logits of their next token and the attention mask (rows in order)."""
+        start = time.perf_counter()
+        rows = [
+            GenerationRequest(
+                prompt_tokens=[
+                    *requests[int(row_req[r])].prompt_tokens,
+                    *out_tokens[r, :done].tolist(),
+                ],
+            )  # fmt: skip
+            for r in active.tolist()
+        ]
+        cache = DynamicCache(config=self.model.config)
+        logits, mask = self._prefill(rows, cache)
+        self.inflight_recompute_s += time.perf_counter() - start
+        self.inflight_updates += 1
+        return cache, logits, mask
 
     def _prefill(
         self, requests: Sequence[GenerationRequest], cache: DynamicCache
@@ -237,8 +294,10 @@ class TorchEngine:
         logprobs: torch.Tensor,
         lengths: torch.Tensor,
         stopped: torch.Tensor,
+        versions: torch.Tensor | None = None,
     ) -> list[list[Sample]]:
         tokens_np = tokens.cpu().numpy().astype(np.int32)
+        versions_np = None if versions is None else versions.cpu().numpy().astype(np.int32)
         logprobs_np = logprobs.cpu().numpy()
         lengths_np, stopped_np = lengths.cpu().numpy(), stopped.cpu().numpy()
         results: list[list[Sample]] = []
@@ -247,12 +306,16 @@ class TorchEngine:
             group = []
             for _ in range(req.n):
                 length = int(lengths_np[row])
+                row_versions = None if versions_np is None else versions_np[row, :length].copy()
                 group.append(
                     Sample(
                         completion_tokens=tokens_np[row, :length].copy(),
                         logprobs=logprobs_np[row, :length].copy(),
                         finish_reason="stop" if stopped_np[row] else "length",
-                        policy_version=self._policy_version,
+                        policy_version=(
+                            self._policy_version if row_versions is None else int(row_versions[0])
+                        ),
+                        versions=row_versions,
                     )
                 )
                 row += 1

@@ -25,6 +25,14 @@ Running in-process has process-wide effects on CPU: vLLM's CPU worker replaces
 including vLLM's own around each `generate`, change nothing), and it sets a NUMA memory-binding
 policy. An actor process that runs vLLM should leave the thread count to it.
 
+In-flight weight updates (`between_steps` set): `generate` drives vLLM's engine step by step
+(`LLMEngine.add_request` / `step`) instead of `LLM.generate`, one request per sample (a
+seeded request's i-th sample uses seed + i), and calls `between_steps` after every engine step.
+When that loaded new weights, the unfinished requests are aborted and re-submitted as prompt +
+tokens so far (the remaining token budget, a seed derived from the update count): vLLM
+recomputes their KV cache under the new weights, so every later token is sampled from exactly
+the new version and its logprob is that version's; each token records its version.
+
 Weight updates go through the worker extension and are followed by `reset_prefix_cache()`:
 KV blocks cached under the old weights would otherwise be reused for prompts sharing a prefix,
 and the next samples would silently mix two policies.
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,6 +104,13 @@ class VllmEngine:
         self._shapes = checkpoint_shapes(model_dir)
         (self._fused,) = self._llm.collective_rpc("fused_parameter_groups")
         self._policy_version = 0
+        self._stepping = False  # inside an in-flight generate: requests are running
+        self.between_steps: Callable[[], None] | None = None
+        """Called between engine steps (in-flight weight updates; see the module doc)."""
+        self.inflight_updates = 0
+        """Weight updates applied while sequences were in flight."""
+        self.inflight_recompute_s = 0.0
+        """Seconds spent aborting and re-submitting requests after in-flight updates."""
         from vllm.platforms import current_platform
 
         self._cpu = current_platform.is_cpu()
@@ -113,6 +128,8 @@ class VllmEngine:
             {"prompt_token_ids": self._prompt(i, r)} for i, r in enumerate(requests)
         ]
         params = [self._sampling_params(i, r) for i, r in enumerate(requests)]
+        if self.between_steps is not None:
+            return self._generate_stepwise(prompts, params)
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         assert len(outputs) == len(requests)
         return [[self._sample(c) for c in out.outputs] for out in outputs]
@@ -138,9 +155,63 @@ class VllmEngine:
         self._check_fused_parts_together({name for name, _ in tensors})
         (count,) = self._llm.collective_rpc("load_hf_weights", args=(tensors,))
         assert count == len(tensors)
-        # Cached KV blocks were computed by the old weights: drop them.
-        assert self._llm.reset_prefix_cache(), "prefix cache not reset (requests still running)"
+        # Cached KV blocks were computed by the old weights: drop them (an in-flight generate
+        # does so once its running requests are aborted).
+        if not self._stepping:
+            assert self._llm.reset_prefix_cache(), "prefix cache not reset (requests running)"
         self._policy_version = policy_version
+
+    def _generate_stepwise(self, prompts: list[Any], params: list[Any]) -> list[list[Sample]]:
+        """`generate` with `between_steps` called after every engine step (module doc)."""
+        rows = [
+            _Row(prompt=p["prompt_token_ids"], params=_single(sp, i), index=r)
+            for r, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            for i in range(sp.n)
+        ]
+        engine = self._llm.llm_engine
+        self._stepping = True
+        try:
+            self._submit(rows, generation=0)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    rows[int(out.request_id.split("-")[0])].update(out, self._policy_version)
+                version = self._policy_version
+                self.between_steps()  # type: ignore[misc]
+                if self._policy_version == version:
+                    continue
+                if engine.has_unfinished_requests():
+                    self._resubmit(rows)
+                else:  # loaded after the last step: only the prefix cache is stale
+                    assert self._llm.reset_prefix_cache(), "prefix cache not reset"
+        finally:
+            self._stepping = False
+        results: list[list[Sample]] = [[] for _ in prompts]
+        for row in rows:
+            results[row.index].append(row.sample())
+        return results
+
+    def _submit(self, rows: Sequence[_Row], generation: int) -> None:
+        for i, row in enumerate(rows):
+            if row.finished:
+                continue
+            params = row.params.clone()
+            params.max_tokens = row.params.max_tokens - len(row.tokens)
+            if params.seed is not None and generation:
+                params.seed = (params.seed * 1_000_003 + generation) & 0x7FFFFFFF
+            prompt = {"prompt_token_ids": [*row.prompt, *row.tokens]}
+            row.request_id = f"{i}-{generation}"
+            self._llm.llm_engine.add_request(row.request_id, prompt, params)
+            row.base = len(row.tokens)
+
+    def _resubmit(self, rows: Sequence[_Row]) -> None:
+        """New weights mid-generation: abort the running requests and submit them again as
+        prompt + tokens so far, so vLLM recomputes their KV cache under the new weights."""
+        start = time.perf_counter()
+        self.inflight_updates += 1
+        self._llm.llm_engine.abort_request([r.request_id for r in rows if not r.finished])
+        assert self._llm.reset_prefix_cache(), "prefix cache not reset after aborting requests"
+        self._submit(rows, generation=self.inflight_updates)
+        self.inflight_recompute_s += time.perf_counter() - start
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights vLLM's model computes with now, under Hugging Face names, as CPU copies.
@@ -275,3 +346,50 @@ def _memory_options(
     if block_size is not None:
         options["block_size"] = block_size
     return options
+
+
+class _Row:
+    """One sample of an in-flight `generate`: what it generated so far, token by token."""
+
+    def __init__(self, prompt: list[int], params: Any, index: int) -> None:
+        self.prompt, self.params, self.index = prompt, params, index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.base = 0  # tokens generated before the current submission
+        self.request_id = ""  # of the current submission
+        self.finished = False
+        self.reason = "length"
+
+    def update(self, out: Any, version: int) -> None:
+        """A cumulative output of the current submission: append its new tokens."""
+        completion = out.outputs[0]
+        new = completion.token_ids[len(self.tokens) - self.base :]
+        steps = completion.logprobs[len(self.tokens) - self.base :]
+        for token, step in zip(new, steps, strict=True):
+            self.tokens.append(int(token))
+            self.logprobs.append(step[int(token)].logprob)
+            self.versions.append(version)
+        if out.finished:
+            self.finished = True
+            self.reason = completion.finish_reason
+            assert self.reason in ("stop", "length"), f"unexpected finish_reason {self.reason!r}"
+
+    def sample(self) -> Sample:
+        versions = np.asarray(self.versions, dtype=np.int32)
+        return Sample(
+            completion_tokens=np.asarray(self.tokens, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            finish_reason="stop" if self.reason == "stop" else "length",
+            policy_version=int(versions[0]) if len(versions) else 0,
+            versions=versions if len(set(self.versions)) > 1 else None,
+        )
+
+
+def _single(params: Any, i: int) -> Any:
+    """`params` for one sample (n = 1): the i-th of a seeded request gets seed + i."""
+    one = params.clone()
+    one.n = 1
+    if one.seed is not None:
+        one.seed = one.seed + i
+    return one

@@ -40,5 +40,8 @@ def test_sweep_writes_wellformed_results(tmp_path: Path) -> None:
             q = point[key]
             assert len(q) == 101 and q == sorted(q) and q[0] > 0, (key, q)
         assert point["reward_at_fixed_steps"]["steps"] >= 3
+        assert point["weight_update"] == "between_groups" and point["inflight_updates"] == 0
+        assert point["tokens_per_weight_version"] > 0
+    assert data["inflight_eta1_over_between_eta4"] is None  # no in-flight point in this sweep
     for name in ("staleness_throughput.png", "staleness_reward.png"):
         assert (tmp_path / name).stat().st_size > 1000

@@ -203,6 +203,7 @@ def test_past_reasoning_stays_in_the_trajectory_where_a_re_render_would_drop_it(
     ep = group.episodes[0]
     ep.chunks.append((np.asarray(tok("5X6", add_special_tokens=False)["input_ids"] +
                                  [tok.eos_token_id], np.int32), np.zeros(4, np.float32)))  # fmt: skip
+    ep.versions.append(np.zeros(4, np.int32))
     ep.num_turns = 1
     runner.on_step(ep, Step(observation=Observation(
         messages=({"role": "tool", "content": "42"},))), 0.0)  # fmt: skip

@@ -64,6 +64,21 @@ def test_run_async(tmp_path: Path, eta: int, steps: int) -> None:
 
 
 @pytest.mark.slow
+def test_run_with_in_flight_weight_updates(tmp_path: Path) -> None:
+    steps = 40
+    run_dir, proc = _run(tmp_path, f"learner.max_steps={steps}", "replay.max_staleness=1",
+                         "actor.weight_update=in_flight", "actor.max_new_tokens=16")  # fmt: skip
+    _check_run(run_dir, proc, steps=steps, eta=1)
+    status = json.loads((run_dir / "actor-0.json").read_text())["stats"]
+    assert status["inflight_updates"] > 0, status  # weights arrived mid-generation
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["mixed_version_frac"] > 0 for r in rows)
+    for r in rows:  # every trained token within the bound, counted token by token
+        assert sum(r["staleness_hist_tokens"][2:]) == 0, r
+        assert sum(r["staleness_hist_trajectories"][2:]) == 0, r
+
+
+@pytest.mark.slow
 def test_run_synchronous_eta0_two_actors(tmp_path: Path) -> None:
     run_dir, proc = _run(
         tmp_path, "learner.max_steps=4", "replay.max_staleness=0", "run.num_actors=2"

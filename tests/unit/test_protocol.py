@@ -73,11 +73,13 @@ def groups(draw: st.DrawFn) -> Group:
         )
         mask = draw(st.lists(st.integers(0, 1), min_size=clen, max_size=clen))
         lp = draw(st.lists(st.floats(-50, 0, width=32), min_size=clen, max_size=clen))
+        hi = lo + (draw(st.integers(0, 3)) if clen >= 2 else 0)
+        spans = (0, lo, draw(st.integers(1, clen - 1)), hi) if hi > lo else ()
         trajectories.append(Trajectory(
             tokens=np.array(tokens, np.int32), prompt_len=plen, loss_mask=np.array(mask, np.uint8),
             behavior_logprobs=np.array(lp, np.float32), reward=draw(floats), min_policy_version=lo,
-            max_policy_version=lo + draw(st.integers(0, 3)), finish_reason=draw(st.sampled_from(FINISH_REASONS)),
-            trajectory_id=draw(texts), reward_failed=draw(texts),
+            max_policy_version=hi, finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+            trajectory_id=draw(texts), reward_failed=draw(texts), version_spans=spans,
         ))  # fmt: skip
     return Group.build(
         group_id=draw(texts), prompt_id=draw(texts), credit_id=draw(ints), actor_id=draw(texts),
@@ -561,6 +563,29 @@ def test_fast_path_refuses_what_the_generic_path_refuses() -> None:
     assert rejected(edited(GROUP, timings={"t": math.nan})).field == "timings"
     assert rejected(edited(GROUP, prompt_lens=[6])).field == "prompt_lens"
     assert rejected(edited(GROUP, max_policy_versions=[1])).field == "min_policy_versions"
+
+
+def test_version_spans_must_describe_the_versions() -> None:
+    traj = Trajectory(tokens=np.arange(7, dtype=np.int32), prompt_len=2,
+                      loss_mask=np.ones(5, np.uint8), behavior_logprobs=np.zeros(5, np.float32),
+                      reward=1.0, min_policy_version=3, max_policy_version=5,
+                      finish_reason="stop", version_spans=(0, 3, 2, 4, 4, 5))  # fmt: skip
+    group = Group.build(group_id="g", prompt_id="p", credit_id=1, actor_id="a", seq=0,
+                        trajectories=[traj, dataclasses.replace(traj, version_spans=(0, 3, 1, 5))])  # fmt: skip
+    assert group.version_spans == [0, 0, 3, 0, 2, 4, 0, 4, 5, 1, 0, 3, 1, 1, 5]
+    back = decode(wire(group))
+    assert back.trajectories()[0].token_versions().tolist() == [3, 3, 4, 4, 5]
+    assert back.trajectories()[1].token_versions().tolist() == [3, 5, 5, 5, 5]
+    bad = [
+        [0, 0, 3, 0, 2, 4],  # trajectory 0 never reaches its max version
+        [0, 1, 3, 0, 2, 5, 1, 0, 3, 1, 1, 5],  # does not start at token 0
+        [0, 0, 3, 0, 9, 5, 1, 0, 3, 1, 1, 5],  # past the completion
+        [0, 0, 3, 0, 2, 5, 0, 1, 4, 1, 0, 3, 1, 1, 5],  # tokens go back
+        [0, 0, 3, 0, 2, 5, 1, 0, 3, 1, 1, 5, 7],  # not triples
+        [0, 0, 3, 0, 2, 5, 9, 0, 3],  # no such trajectory
+    ]
+    for spans in bad:
+        assert rejected(edited(group, version_spans=spans)).field == "version_spans", spans
     assert decode(edited(GROUP, rewards=[1])).rewards == [1.0]  # ints are numbers
 
 
