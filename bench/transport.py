@@ -5,7 +5,7 @@ noise hits every variant alike:
 
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
-               (`SampleRequest` -> `Batch`, two requests in flight) and decodes every batch.
+               (`SampleRequest` -> `Batch`, IN_FLIGHT requests in flight) and decodes every batch.
                Two hops, acks and credits included; the hub validates every group in full,
                the learner checks structure and sizes (the hub scanned the values already).
 - `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
@@ -60,6 +60,7 @@ from bench_common import environment, spread  # noqa: E402
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
+IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
 
 
 def make_group(target_bytes: int) -> Group:
@@ -176,7 +177,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
     while received < count:
-        while in_flight < 2 and received + in_flight * batch < count:
+        while in_flight < IN_FLIGHT and received + in_flight * batch < count:
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
@@ -238,6 +239,23 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
 
 
 DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fsync="commit"']
+
+
+def disk_fsync_mbps(directory: Path, total_mib: int = 128) -> float:
+    """Sequential write bandwidth of the state directory's disk with an fsync every 1 MiB:
+    the ceiling of a durable hub that fsyncs every group commit."""
+    path = directory / "fsync-probe"
+    block = os.urandom(1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    start = time.perf_counter()
+    try:
+        for _ in range(total_mib):
+            os.write(fd, block)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return total_mib * (1 << 20) / (time.perf_counter() - start) / 1e6
 
 
 def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
@@ -308,6 +326,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
     relay_ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw_relay"], strict=True)]
     durable = [d / h for d, h in zip(gbps["hub_durable"], gbps["hub"], strict=True)]
+    disk = disk_fsync_mbps(tmp)
     return {
         "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
@@ -316,6 +335,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "durable_over_volatile": statistics.median(durable),
         "durable_over_volatile_stats": spread(durable),
         "hub_durable_groups_per_s": statistics.median(gps["hub_durable"]),
+        "disk_fsync_mbps": disk,
+        "durable_ceiling_over_volatile": disk / 1e3 / statistics.median(gbps["hub"]),
         "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
         "raw_gbps_stats": spread(gbps["raw"]), "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
         "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),

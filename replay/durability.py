@@ -1,8 +1,10 @@
 """The hub's write-ahead log: records, group commit, snapshots, recovery (`replay.durability`).
 
     HubState op --journal--> WriteAheadLog.append  (kept in memory: a list of buffers)
-    end of each loop turn --> commit(): one writev of every pending record, one fsync
-                              then (only then) the hub sends the turn's Acks and Batches
+    end of each loop turn --> commit(): one writev of every pending record; the fsync runs on
+                              the syncer thread (the loop goes on receiving meanwhile) and
+                              wakes the loop through a pipe; the hub releases a turn's Acks
+                              and Batches once `durable_lsn` covers that turn's records
     log > snapshot_log_bytes --> snapshot(): state + groups to snapshot.tmp, fsync, rename;
                                  a new log segment starts and the old one is deleted
 
@@ -27,6 +29,7 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,10 +114,75 @@ class TornRecord(Exception):
         self.offset, self.why = offset, why
 
 
-class WriteAheadLog:
-    """The log of one hub state directory; `journal` is what HubState records through."""
+class Syncer:
+    """fsync on a thread of its own: `request(fd, lsn)` asks for everything written so far to
+    reach the disk; `synced` then covers `lsn`, and a byte on `wake_fd` says so."""
 
-    def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int) -> None:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.fd, self.target, self.synced = -1, 0, 0
+        self.error: OSError | None = None
+        self.stopping = False
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+        self.thread = threading.Thread(target=self._run, name="asyncrl-wal-fsync", daemon=True)
+        self.thread.start()
+
+    def request(self, fd: int, lsn: int) -> None:
+        with self.cond:
+            self.fd, self.target = fd, max(self.target, lsn)
+            self.cond.notify_all()
+
+    def wait(self, lsn: int) -> None:
+        """Block until `lsn` is synced (snapshots and shutdown only)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.synced >= lsn or self.error is not None)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping or self.target > self.synced)
+                if self.target <= self.synced:
+                    return  # stopping, nothing left to sync
+                fd, target = self.fd, self.target
+            try:
+                os.fsync(fd)
+            except OSError as exc:  # the disk failed: the hub stops acknowledging and exits
+                with self.cond:
+                    self.error = exc
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.synced = target
+                self.cond.notify_all()
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # a wake-up is already pending
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join()
+        os.close(self.wake_fd)
+        os.close(self._wake_w)
+
+
+class WriteAheadLog:
+    """The log of one hub state directory; `journal` is what HubState records through. With
+    `background`, fsyncs run on a `Syncer` thread (the hub's loop); without, in `commit`."""
+
+    def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
+                 background: bool = False) -> None:  # fmt: skip
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = (self.dir / "LOCK").open("a")
@@ -127,7 +195,8 @@ class WriteAheadLog:
         self.fd = -1
         self.pending: list[Any] = []
         self.lsn = 0  # bytes appended by this process (log position of the latest record)
-        self.durable_lsn = 0
+        self.written_lsn = 0  # handed to the kernel
+        self.syncer = Syncer() if fsync and background else None
         self.log_bytes = 0  # size of the current segment, pending records included
         self.num_commits = 0
         self.num_snapshots = 0
@@ -156,11 +225,28 @@ class WriteAheadLog:
             total = sum(memoryview(p).nbytes for p in chunk)
             if written < total:  # a short write (a signal, a full pipe): write the rest plainly
                 os.write(self.fd, b"".join(bytes(memoryview(p)) for p in chunk)[written:])
-        if self.fsync:
+        self.written_lsn = self.lsn
+        if self.syncer is not None:
+            self.syncer.request(self.fd, self.lsn)
+        elif self.fsync:
             os.fsync(self.fd)
         self.num_commits += 1
-        self.durable_lsn = self.lsn
         return self.durable_lsn
+
+    @property
+    def durable_lsn(self) -> int:
+        """Log position up to which records are durable under the fsync policy."""
+        if self.syncer is None:
+            return self.written_lsn
+        if self.syncer.error is not None:
+            raise RuntimeError(f"replay state: fsync failed: {self.syncer.error}")
+        return self.syncer.synced
+
+    def sync(self) -> None:
+        """Commit and wait until everything logged so far is durable."""
+        self.commit()
+        if self.syncer is not None:
+            self.syncer.wait(self.lsn)
 
     def due_for_snapshot(self) -> bool:
         """The log outgrew `snapshot_log_bytes` and the last snapshot (so snapshot work stays
@@ -169,7 +255,7 @@ class WriteAheadLog:
 
     def snapshot(self, state: HubState) -> None:
         """Write the whole state as a new snapshot and start an empty log segment after it."""
-        self.commit()
+        self.sync()  # no fsync of the old segment may be in flight when it goes
         meta, groups = state.export()
         tmp = self.dir / "snapshot.tmp"
         with tmp.open("wb") as f:
@@ -199,9 +285,11 @@ class WriteAheadLog:
 
     def close(self) -> None:
         if self.fd >= 0:
-            self.commit()
+            self.sync()
             os.close(self.fd)
             self.fd = -1
+        if self.syncer is not None:
+            self.syncer.close()
         self._lock.close()
 
     def _segment(self, log_id: int) -> Path:

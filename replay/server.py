@@ -116,7 +116,9 @@ class Hub:
         self.errors: collections.Counter[str] = collections.Counter()
         self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
         self.wal: WriteAheadLog | None = None
-        self.gated: list[tuple[bytes, Message]] = []  # sent after the next commit
+        self.gated: collections.deque[tuple[int, bytes, Message]] = (
+            collections.deque()
+        )  # (lsn, to, msg): sent once durable
         self.recovery = Recovery()
         self.orphans_at = 0.0  # when credits of clients that did not come back expire
         if rc.durability == "durable":
@@ -134,7 +136,7 @@ class Hub:
         if not rc.state_dir:
             raise ValueError("replay.state_dir: durable mode needs a directory")
         wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
-                            snapshot_log_bytes=rc.snapshot_log_bytes)  # fmt: skip
+                            snapshot_log_bytes=rc.snapshot_log_bytes, background=True)  # fmt: skip
         incarnation = self.state.credits.incarnation  # this process's, not the recovered one
         found = wal.recover(self.state)
         if found.ops or found.snapshot_groups:
@@ -169,9 +171,14 @@ class Hub:
         tick_ms = int(min(self.cfg.replay.heartbeat_interval_s, 1.0) * 500)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        syncer = self.wal.syncer if self.wal is not None else None
+        if syncer is not None:  # a finished fsync wakes the loop: its acks may go
+            poller.register(syncer.wake_fd, zmq.POLLIN)
         try:
             while self.running:
-                poller.poll(tick_ms)  # wait for messages or the next tick
+                poller.poll(tick_ms)  # wait for messages, a finished fsync or the next tick
+                if syncer is not None:
+                    syncer.drain()
                 self.receive_all()  # handle every waiting message, then send their acks
                 self.outbox.flush()  # peers whose pipes were full
                 self.expire_dead_clients(time.monotonic())
@@ -394,16 +401,18 @@ class Hub:
         if self.wal is None:
             self.send(identity, msg)
         else:
-            self.gated.append((identity, msg))
+            self.gated.append((self.wal.lsn, identity, msg))
 
     def commit(self) -> None:
-        """Group commit (durable mode): write and fsync the turn's records, then release the
-        messages that waited for them; snapshot when the log has grown long."""
+        """Group commit (durable mode): write the turn's records and have them fsynced (on the
+        syncer thread), release the messages whose records are durable by now; snapshot when
+        the log has grown long."""
         if self.wal is None:
             return
-        self.wal.commit()
-        gated, self.gated = self.gated, []
-        for identity, msg in gated:
+        durable = self.wal.commit()
+        gated = self.gated
+        while gated and gated[0][0] <= durable:
+            _, identity, msg = gated.popleft()
             self.send(identity, msg)
         if self.wal.due_for_snapshot():
             self.wal.snapshot(self.state)
