@@ -15,8 +15,11 @@ Delivery figures (group = (actor_id, seq)):
   prompt re-issued); a push refused for capacity is pushed again until it is acknowledged, so
   the two are equal when nothing is lost on the way in;
 - `consumed`: distinct groups the learner trained on (any learner process);
-- `lost` = stored - consumed - dropped stale after storing - still stored or lent: an
-  acknowledged group that went nowhere (must be 0);
+- `lost` (must be 0): acknowledged groups that went nowhere = stored - (acknowledged as trained
+  by the learner + dropped stale after storing + still stored or lent), plus groups the hub was
+  told were trained that no learner process trained;
+- `redelivered`: groups a learner trained whose `BatchAck` never reached the hub (it was killed
+  first): given back, then trained again or dropped as stale, as at-least-once delivery does;
 - `duplicated`: groups trained in two steps of the surviving learner lineage (must be 0). A
   learner killed after its last checkpoint loses its later steps (resume): their batches were
   acknowledged when trained, so they are not trained again; counted as `lost_with_learner_steps`.
@@ -47,7 +50,9 @@ from bench.bench_common import REPO, environment, write_json  # noqa: E402
 ROLES = ("hub", "actor", "learner")
 
 
-def start_run(args: argparse.Namespace, run_dir: Path) -> subprocess.Popen[str]:
+def start_run(args: argparse.Namespace, run_dir: Path, out: Path) -> subprocess.Popen[str]:
+    """`asyncrl run` with its output in `out` (a pipe nobody reads until the end would fill up
+    and block the run's supervision loop on its progress lines)."""
     overrides = {
         "replay.durability": '"durable"', "run.max_wall_s": str(args.duration_s),
         "run.max_restarts": "1000", "run.restart_backoff_s": "0.5",
@@ -59,8 +64,9 @@ def start_run(args: argparse.Namespace, run_dir: Path) -> subprocess.Popen[str]:
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    with out.open("w") as f:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
 
 
 def steps_done(run_dir: Path) -> int:
@@ -156,7 +162,13 @@ def audit(run_dir: Path) -> dict[str, Any]:
         "produced": c["groups_stored"] + c["groups_stale_on_arrival"],
         "acked": c["groups_stored"] + c["groups_stale_on_arrival"],
         "consumed": len(every),
-        "lost": c["groups_stored"] - len(every) - dropped_after - remaining,
+        "lost": c["groups_stored"]
+        - c["groups_trained"]
+        - dropped_after
+        - remaining
+        + max(0, c["groups_trained"] - len(every)),
+        "redelivered": max(0, len(every) - c["groups_trained"]),
+        "acknowledged_trained": c["groups_trained"],
         "duplicated": sum(1 for n in survived.values() if n > 1),
         "lost_with_learner_steps": len(every - set(survived)),
         "resends_deduplicated": c["groups_duplicate"],
@@ -189,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="asyncrl-chaos-")) / "run"
     env = environment()  # the commit measured, before anything else moves
-    run = start_run(args, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_path = run_dir.parent / "run.out"
+    run = start_run(args, run_dir, out_path)
     try:
         kills = kill_schedule(args, run, run_dir)
-        out, _ = run.communicate(timeout=args.duration_s + 600)
+        run.wait(timeout=args.duration_s + 600)
+        out = out_path.read_text()
     finally:
         if run.poll() is None:
             run.kill()
