@@ -10,8 +10,12 @@
      3. start their episodes: group_size per credit (actors/episodes.py)
      4. advance: ONE engine.generate for every episode awaiting the model; environment
         steps and tool calls on the worker pool (actor.env_workers), never blocking the others
-     5. score the groups whose episodes all ended (one call per wave)
-     6. build one columnar Group per credit and push it (the I/O thread sends; acks return)
+     5. score the groups whose episodes all ended: ONE reward-pipeline call per wave
+        (actors/rewards/pipeline.py: the task verifier and the configured components,
+        composed; canaries every reward.canary_every versions)
+     6. build one columnar Group per credit (component values and provenance included) and
+        push it (the I/O thread sends; acks return); a group whose reward failed under
+        reward.on_failure = drop_group is not pushed, its credit goes back (prompt re-issued)
    back-pressure: the hub grants credits only as admission allows (η, the learner's version and
    the version this actor reported loading), so with a small η the actor waits at 2 instead of
    producing samples that would be dropped; weights arriving meanwhile wake it (1, then 2).
@@ -46,6 +50,9 @@ from actors.engines.base import Engine, GenerationRequest
 from actors.envs.base import Env
 from actors.envs.data import from_credit
 from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
+from actors.rewards.canaries import canary_runner
+from actors.rewards.components import item_from_episode
+from actors.rewards.pipeline import RewardOutcome, RewardPipeline
 from asyncrl.config import ActorConfig, RunConfig, load_config
 from asyncrl.metrics import LiveMetrics
 from asyncrl.metrics import start as start_metrics
@@ -64,7 +71,7 @@ from asyncrl.weights.digest import digest_named_tensors
 
 ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s", "generate_s",
                   "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
-                  "credits_returned", "wait_weights_s")  # fmt: skip
+                  "credits_returned", "wait_weights_s", "reward_groups_dropped")  # fmt: skip
 """Actor statistics that only grow (exported as Prometheus counters)."""
 
 
@@ -81,6 +88,7 @@ class Actor:
         tokenizer: Any,
         make_env: Callable[[], Env],
         receiver: Any | None = None,
+        rewards: RewardPipeline | None = None,
     ) -> None:
         self.cfg = cfg
         self.actor_id = actor_id
@@ -88,6 +96,9 @@ class Actor:
         self.engine = engine
         self.tokenizer = tokenizer
         self.receiver = receiver
+        self.rewards = rewards or RewardPipeline.from_config(
+            cfg, canaries=canary_runner(cfg, make_env, lambda t: len(tokenizer.encode(t)))
+        )
         self.episodes = EpisodeRunner(
             engine, tokenizer, make_env, EpisodeLimits.from_config(cfg), cfg.actor.env_workers
         )
@@ -98,7 +109,7 @@ class Actor:
         self.stats: dict[str, float] = {
             "groups_pushed": 0, "samples": 0, "tokens": 0, "wait_credit_s": 0.0,
             "reward_s": 0.0, "weights_loaded": 0, "weights_load_s": 0.0, "reward_failures": 0,
-            "credits_returned": 0, "wait_weights_s": 0.0, "wall_s": 0.0,
+            "reward_groups_dropped": 0, "credits_returned": 0, "wait_weights_s": 0.0, "wall_s": 0.0,
         }  # fmt: skip
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
@@ -133,6 +144,8 @@ class Actor:
             started += len(credits)
             self.start_episodes(credits)
             if not self.episodes.num_groups:
+                if max_groups and started >= max_groups:
+                    break  # every group started was pushed or dropped (reward.on_failure)
                 continue
             self.send(self.make_groups(self.score(self.episodes.advance())))
             self.publish_metrics()
@@ -238,33 +251,46 @@ class Actor:
             row = from_credit(credit.prompt_id, credit.prompt, credit.info)
             self.episodes.start(credit, row, credit.seed, self.group_size)
 
-    def score(self, groups: list[EpisodeGroup]) -> list[tuple[EpisodeGroup, list[float]]]:
-        """The reward of every episode of these finished groups (one call per wave): the
-        environment's task reward (its verifier ran in its last step)."""
+    def score(self, groups: list[EpisodeGroup]) -> list[tuple[EpisodeGroup, list[RewardOutcome]]]:
+        """The composed reward of every episode of these finished groups (one pipeline call
+        per wave); groups to drop (reward.on_failure = drop_group) hand their credit back."""
+        if not groups:
+            return []
         start = time.perf_counter()
-        scored = [(g, [e.reward for e in g.episodes]) for g in groups]
+        items = [item_from_episode(g.row, ep) for g in groups for ep in g.episodes]
+        outcomes = iter(self.rewards.score(items, policy_version=self.engine.policy_version))
+        scored, dropped = [], []
+        for group in groups:
+            mine = [next(outcomes) for _ in group.episodes]
+            if any(o.drop_group for o in mine):
+                dropped.append(group.tag.credit_id)
+            else:
+                scored.append((group, mine))
+        if dropped:
+            self.conn.send(CreditReturn(credit_ids=dropped))
+            self.stats["reward_groups_dropped"] += len(dropped)
         self.stats["reward_s"] += time.perf_counter() - start
         return scored
 
-    def make_groups(self, scored: list[tuple[EpisodeGroup, list[float]]]) -> list[Group]:
+    def make_groups(self, scored: list[tuple[EpisodeGroup, list[RewardOutcome]]]) -> list[Group]:
         """One columnar Group per finished credit."""
-        return [self.make_group(group, rewards) for group, rewards in scored]
+        return [self.make_group(group, outcomes) for group, outcomes in scored]
 
-    def make_group(self, group: EpisodeGroup, rewards: list[float]) -> Group:
+    def make_group(self, group: EpisodeGroup, outcomes: list[RewardOutcome]) -> Group:
         """The Group of one credit's episodes: one trajectory per episode, masks and all."""
         credit: CreditItem = group.tag
         trajectories = []
-        for ep, reward in zip(group.episodes, rewards, strict=True):
+        for ep, outcome in zip(group.episodes, outcomes, strict=True):
             tokens, mask, logprobs = ep.trajectory()
             version = max(ep.min_version, 0) if ep.num_turns else self.engine.policy_version
             trajectories.append(Trajectory(
                 tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask,
-                behavior_logprobs=logprobs, reward=reward, min_policy_version=version,
+                behavior_logprobs=logprobs, reward=outcome.reward, min_policy_version=version,
                 max_policy_version=max(ep.max_version, version), finish_reason=ep.finish_reason,
-                reward_failed=ep.reward_failed, num_turns=ep.num_turns, tool_s=ep.tool_s,
+                reward_failed=outcome.failed, num_turns=ep.num_turns, tool_s=ep.tool_s,
                 env_s=ep.env_s, version_spans=ep.version_spans(),
             ))  # fmt: skip
-        failures = sum(1 for ep in group.episodes if ep.reward_failed)
+        failures = sum(1 for o in outcomes if o.failed)
         self.stats["reward_failures"] += failures
         self.stats["samples"] += len(trajectories)
         self.stats["tokens"] += sum(int(t.loss_mask.sum()) for t in trajectories)
@@ -272,10 +298,12 @@ class Actor:
         group_id = f"{self.actor_id}/{self.seq}"
         counts = {k: sum(ep.counts[k] for ep in group.episodes) for k in ("tool_calls",
                   "tool_errors", "malformed_calls")}  # fmt: skip
+        fields = self.rewards.group_fields(outcomes)
         out = Group.build(
             group_id=group_id, prompt_id=credit.prompt_id, credit_id=credit.credit_id,
             actor_id=self.actor_id, seq=self.seq, trajectories=trajectories,
-            metadata={k: v for k, v in counts.items() if v},
+            metadata={**{k: v for k, v in counts.items() if v}, **fields["metadata"]},
+            reward_components=fields["reward_components"],
             timings={"generate_s": group.generate_s,
                      "env_s": sum(ep.env_s for ep in group.episodes)},
         )  # fmt: skip
@@ -302,7 +330,8 @@ class Actor:
         finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
         inflight = {k: getattr(self.engine, k) for k in ("inflight_updates", "inflight_recompute_s")
                     if hasattr(self.engine, k)}  # fmt: skip
-        return {**self.stats, **self.episodes.stats, **finish, **inflight}
+        rewards = {f"reward/{k}": v for k, v in sorted(self.rewards.stats.items())}
+        return {**self.stats, **self.episodes.stats, **finish, **inflight, **rewards}
 
 
 def generation_request(
@@ -404,6 +433,7 @@ def main(argv: Sequence[str]) -> int:
         if args.status_file:
             write_status(Path(args.status_file), actor)
         actor.episodes.close()
+        actor.rewards.close()
         engine.close()
     return 0
 

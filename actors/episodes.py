@@ -15,6 +15,10 @@
      -> groups whose episodes have all ended
 ```
 
+Engines that keep KV caches between calls (the torch engine) keep each episode's between its
+turns (`GenerationRequest.cache_keys` / `resume_key`), so a turn prefills only the tokens added
+since the last one; an episode's cache is released when it ends.
+
 A trajectory is the prompt's tokens, then per turn the engine's own ids (loss_mask 1, the
 engine's behaviour logprobs) and the next observation tokenized on its own (loss_mask 0,
 logprob 0; actors/chat_tokens.py). A turn cut by the per-turn token limit is closed with the
@@ -101,6 +105,11 @@ class Episode:
         return bool(self.finish_reason)
 
     @property
+    def cache_key(self) -> str:
+        """Where the engine keeps this episode's KV cache between turns."""
+        return f"ep{id(self)}"
+
+    @property
     def awaiting_model(self) -> bool:
         return not self.finish_reason and self.pending is None
 
@@ -180,6 +189,8 @@ class EpisodeRunner:
                                         "env_s": 0.0, "tool_s": 0.0, "turns": 0,
                                         **dict.fromkeys(COUNTS, 0)}  # fmt: skip
         self.finish_counts: collections.Counter[str] = collections.Counter()
+        self.reuse_kv = bool(getattr(engine, "supports_kv_reuse", False)) and limits.max_turns > 1
+        """Keep each episode's KV cache in the engine between its turns (engines that can)."""
 
     @property
     def num_groups(self) -> int:
@@ -282,10 +293,12 @@ class EpisodeRunner:
                 if turn == 0 and first.index == 0
                 else turn_seed(first.group.seed, first.index, turn)
             )
+            keys = tuple(e.cache_key for e in eps) if self.reuse_kv else ()
             request = GenerationRequest(
                 prompt_tokens=list(context), n=len(eps), temperature=self.limits.temperature,
                 top_p=self.limits.top_p, max_new_tokens=budget,
-                stop_token_ids=self.render.stop_ids, seed=seed,
+                stop_token_ids=self.render.stop_ids, seed=seed, cache_keys=keys,
+                resume_key=first.cache_key if keys and turn else "",
             )  # fmt: skip
             out.append((request, eps))
         return out
@@ -361,6 +374,8 @@ class EpisodeRunner:
         ep.num_tokens += len(tokens)
 
     def finish(self, ep: Episode, reason: str, failed: str = "") -> None:
+        if self.reuse_kv:
+            self.engine.release([ep.cache_key])  # type: ignore[attr-defined]
         ep.finish_reason = reason
         ep.reward_failed = failed or (
             str(ep.last_step.info.get("reward_failed", "")) if ep.last_step else ""

@@ -7,6 +7,10 @@
     asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
     asyncrl bench   NAME [args...]                         a benchmark from bench/
     asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
+    asyncrl sandbox run FILE [--stdin F] [--timeout S]     one sandboxed run, JSON out (actors/sandbox)
+    asyncrl score   --task T --row R.json --completion F   score one completion (tools/score.py)
+    asyncrl reward-server --model DIR [--bind EP] [--auth DIR]
+                                                           a served reward model (actors/rewards/rm_server.py)
 
 Subcommand modules are imported only when chosen, so `asyncrl replay` never imports torch.
 """
@@ -24,6 +28,9 @@ COMMANDS = {
     "keygen": ("asyncrl.auth", "keygen_main"),
     "bench": ("asyncrl.bench_cli", "main"),
     "launch": ("tools.launch", "main"),
+    "sandbox": ("actors.sandbox.cli", "main"),
+    "score": ("tools.score", "main"),
+    "reward-server": ("actors.rewards.rm_server", "main"),
 }
 
 

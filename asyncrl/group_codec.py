@@ -20,7 +20,9 @@ What a valid group is (`check_group` states it field by field):
   trajectory it covers, spans in order: the first at token 0 with the trajectory's min version,
   later ones at increasing tokens inside its completion with increasing versions, the last
   with its max version; a trajectory it does not cover has no per-token versions recorded
-  (its tokens count as its min version's, the oldest).
+  (its tokens count as its min version's, the oldest);
+- `reward_components` maps names to one finite value per trajectory (empty = not recorded,
+  and then off the wire).
 
 The value rules (ids, masks, logprobs) scan the arrays: two or three numpy reductions per array,
 the only per-byte work of a decode. `values=False` skips them, for groups that arrive inside a
@@ -77,7 +79,8 @@ def decode_group(
         return None
     n = len(rewards)
     rewards, extras, episode = _finite_rewards(rewards), _extras(data), _episode_lists(data, n)
-    if rewards is None or extras is None or episode is None:
+    components = _components(data, n)
+    if rewards is None or extras is None or episode is None or components is None:
         return None
     spans = data["version_spans"] if "version_spans" in data else []
     if spans and (type(spans) is not list or set(map(type, spans)) != _INT):
@@ -97,6 +100,7 @@ def decode_group(
         max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
         loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
         num_turns=episode[0], tool_s=episode[1], env_s=episode[2], version_spans=spans,
+        reward_components=components,
     )  # fmt: skip
     return g
 
@@ -193,6 +197,19 @@ def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | No
     return out[0], out[1], out[2]
 
 
+def _components(data: dict[str, Any], n: int) -> dict[str, list[float]] | None:
+    """`reward_components` ({} when absent) if it maps strings to n finite floats each."""
+    components = data["reward_components"] if "reward_components" in data else {}
+    if type(components) is not dict:
+        return None
+    for name, values in components.items():
+        if type(name) is not str or type(values) is not list or len(values) != n:
+            return None
+        if set(map(type, values)) != _FLOAT or not _isfinite(sum(values)):
+            return None
+    return components
+
+
 def _arrays(rt: Any, rm: Any, rl: Any, num_tokens: int, num_completion: int,
             bufs: list[memoryview], used: set[int]) -> tuple[np.ndarray, ...] | None:  # fmt: skip
     """The three arrays, if their references are canonical (the next three frames, in order)
@@ -275,11 +292,21 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
     problem = spans_problem(g["version_spans"], lo, hi, completion)
     if problem:
         raise ProtocolError(prefix + "version_spans", problem)
+    for name, values in g["reward_components"].items():
+        if type(name) is not str or type(values) is not list or len(values) != n:
+            raise ProtocolError(prefix + "reward_components", "must map names to one value each")
+        g["reward_components"][name] = _decode_floats(values, prefix + "reward_components")
     timings = g["timings"]
     if timings and not (
         set(map(type, timings.values())) <= _NUM and all(map(_isfinite, timings.values()))
     ):
         raise ProtocolError(prefix + "timings", "must map names to finite numbers")
+
+
+def _decode_floats(values: list[Any], path: str) -> list[float]:
+    if not set(map(type, values)) <= _NUM or not all(map(_isfinite, values)):
+        raise ProtocolError(path, "must hold finite numbers only")
+    return [float(v) for v in values]
 
 
 def _check_values(tokens: np.ndarray, mask: np.ndarray, lp: np.ndarray, prefix: str) -> None:
@@ -299,6 +326,8 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     for name in OPTIONAL_LISTS:
         if not out[name]:
             del out[name]  # not recorded: off the wire, as before these fields existed
+    if not out["reward_components"]:
+        del out["reward_components"]
     for name, dtype, dtype_name in _ENCODED_ARRAYS:
         arr = _contiguous(out[name], dtype=dtype)  # the array itself when it already is
         out[name] = {"dtype": dtype_name, "shape": list(arr.shape), "frame": len(frames)}

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from asyncrl.score_messages import ScoreRequest, Scores
+
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
@@ -170,6 +172,8 @@ class Group:
     # trajectories made by several policy versions (in-flight updates, multi-turn episodes):
     # flat (trajectory index, first completion token, version) triples; see Trajectory
     version_spans: list[int] = _appended(factory=list)
+    # reward component name -> one value per trajectory (finite floats); {} = not recorded
+    reward_components: dict[str, list[float]] = _appended(factory=dict)
 
     @property
     def size(self) -> int:
@@ -232,6 +236,7 @@ class Group:
         trajectories: Sequence[Trajectory],
         metadata: dict[str, Any] | None = None,
         timings: dict[str, float] | None = None,
+        reward_components: dict[str, list[float]] | None = None,
     ) -> Group:
         """Concatenate per-sample trajectories into the columnar group."""
         if not trajectories:
@@ -266,6 +271,9 @@ class Group:
                 for j in range(0, len(t.version_spans), 2)
                 for x in (i, *t.version_spans[j : j + 2])
             ],  # fmt: skip
+            reward_components={
+                k: [float(v) for v in vs] for k, vs in (reward_components or {}).items()
+            },
         )
 
 
@@ -381,6 +389,7 @@ class Error:
     code: str
     field: str
     detail: str
+    request_id: int = _appended(-1)  # the ScoreRequest refused (reward-model server); -1 = none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -421,6 +430,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Error,
     Bye,
     BatchAck,
+    ScoreRequest,
+    Scores,
 )
 Message = (
     Hello
@@ -441,6 +452,8 @@ Message = (
     | Error
     | Bye
     | BatchAck
+    | ScoreRequest
+    | Scores
 )
 
 

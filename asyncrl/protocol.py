@@ -55,6 +55,8 @@ from asyncrl.messages import (
     Message,
     ProtocolError,
     SampleRequest,
+    ScoreRequest,
+    Scores,
     Stats,
     StatsRequest,
     Trajectory,
@@ -68,7 +70,8 @@ from asyncrl.messages import (
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "ROLES",
     "Ack", "Batch", "BatchAck", "Bye", "CreditItem", "CreditReturn", "Credits", "Error", "Group",
-    "Heartbeat", "Hello", "Members", "Message", "ProtocolError", "SampleRequest", "Stats",
+    "Heartbeat", "Hello", "Members", "Message", "ProtocolError", "SampleRequest", "ScoreRequest",
+    "Scores", "Stats",
     "StatsRequest", "Trajectory", "Version", "WeightsAnnounce", "WeightsLoaded", "Welcome",
     "check_hello", "decode", "encode",
 ]  # fmt: skip

@@ -1,13 +1,15 @@
 """`asyncrl run CONFIG`: hub, actors and learner as processes on this machine, with progress.
 
 ```
-  asyncrl run ──starts──> asyncrl replay  (writes its bound endpoint to run_dir/hub.endpoint)
+  asyncrl run ──starts──> asyncrl reward-server, when [reward_model] serve = true (its endpoint
+              (first)      goes into run_dir/config.toml for the actors' reward_model component)
+              ──starts──> asyncrl replay  (writes its bound endpoint to run_dir/hub.endpoint)
               ──starts──> asyncrl actor × run.num_actors   (--hub <endpoint>)
               ──starts──> asyncrl learner                  (--hub <endpoint>)
               <──tails─── run_dir/metrics.jsonl  -> one progress line per run.progress_every_s
   stop: the learner exits after learner.max_steps (or run.max_wall_s / Ctrl-C sends it SIGTERM;
   it checkpoints and hands its final weights to the actors), then actors, then the hub get
-  SIGTERM, each by pid; anything still alive after a grace period is killed, by pid.
+  SIGTERM (the reward server last), each by pid; anything still alive after a grace period is killed, by pid.
   crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
   with backoff; a run that cannot go on ends with one line saying why.
 ```
@@ -88,17 +90,43 @@ def prepare(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
     return config_path, dataset
 
 
-def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+def start_reward_server(cfg: RunConfig, procs: Processes, config_path: Path) -> RunConfig:
+    """[reward_model] serve: start `asyncrl reward-server` as a child (the tiny sort reward
+    model when no model is named), wait for its endpoint and write it into the run's config,
+    so the actors' reward_model component connects to it."""
+    model = cfg.reward_model.model
+    if not model:
+        from actors.rewards.tiny_reward_model import ensure_reward_model
+
+        model = str(ensure_reward_model(cfg.model.cache_dir, num_digits=cfg.task.num_digits))
+    endpoint_file = procs.run_dir / "reward_server.endpoint"
+    server = procs.start(
+        "reward-server",
+        ["reward-server", "--config", str(config_path), "--model", model,
+         "--endpoint-file", str(endpoint_file),
+         "--stats-file", str(procs.run_dir / "reward_server.json")],
+        threads=1,
+    )  # fmt: skip
+    endpoint = wait_for_file(endpoint_file, server, timeout_s=120, name="reward-server")
+    rm = dataclasses.replace(cfg.reward_model, model=model, endpoint=endpoint)
+    cfg = dataclasses.replace(cfg, reward_model=rm)
+    config_path.write_text(to_toml(cfg))
+    return cfg
+
+
+def wait_for_file(
+    path: Path, proc: subprocess.Popen[bytes], timeout_s: float, name: str = "hub"
+) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.is_file() and path.read_text().strip():
             return path.read_text().strip()
         if proc.poll() is not None:
             raise RuntimeError(
-                f"the hub exited with code {proc.returncode} before binding; see {path.parent / 'hub.log'}"
+                f"the {name} exited with code {proc.returncode} before binding; see {path.parent / f'{name}.log'}"
             )
         time.sleep(0.05)
-    raise TimeoutError(f"the hub did not report its endpoint within {timeout_s} s")
+    raise TimeoutError(f"the {name} did not report its endpoint within {timeout_s} s")
 
 
 def thread_split(cfg: RunConfig) -> tuple[int, int]:
@@ -211,12 +239,15 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
     cfg = with_state_dir(cfg, run_dir)
     config_path, dataset = prepare(cfg, run_dir)
     (run_dir / "hub.endpoint").unlink(missing_ok=True)
+    (run_dir / "reward_server.endpoint").unlink(missing_ok=True)
     if not resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     procs = Processes(run_dir)
     start = time.monotonic()
     interrupted, reason, restarts = False, "", {}
     try:
+        if cfg.reward_model.serve:
+            cfg = start_reward_server(cfg, procs, config_path)
         hub_args = ["replay", "--config", str(config_path), "--dataset", str(dataset),
                     "--endpoint-file", str(run_dir / "hub.endpoint")]  # fmt: skip
         hub = procs.start("hub", hub_args, threads=1)
@@ -238,6 +269,7 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
         procs.stop(["learner"], grace_s=cfg.weights.timeout_s + 30)
         procs.stop([n for n in procs.procs if n.startswith("actor-")], grace_s=30)
         procs.stop(["hub"], grace_s=10)
+        procs.stop(["reward-server"], grace_s=10)
     rows = read_metrics(run_dir / "metrics.jsonl")
     summary = summarize(rows)
     summary["exit_codes"] = {n: p.returncode for n, p in procs.procs.items()}

@@ -60,6 +60,8 @@ class Supervisor:
                     return "the learner finished"
                 self.finished.add(name)
                 continue
+            if name not in self.commands:  # started once, not supervised (the reward server)
+                return f"{name} exited with code {code}; see {self.procs.run_dir / f'{name}.log'}"
             reason = self.schedule(name, code, now)
             if reason:
                 return reason

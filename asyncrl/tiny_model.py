@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,13 +58,18 @@ def ensure_model(model: ModelConfig, task: TaskConfig) -> Path:
             raise ValueError(f"model.path: directory not found: {str(path)!r}")
         return path
     cache = Path(model.cache_dir).expanduser()
-    final = cache / build_key(model)
+    return build_once(cache / build_key(model), lambda tmp: _build(model, tmp))
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final`, built by `build(tmp)` into a private directory renamed into place, unless a
+    build (`config.json`) is there already; of processes racing, the first rename wins."""
     if (final / "config.json").is_file():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=cache))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=final.parent))
     try:
-        _build(model, tmp)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is readable like any other
         os.rename(tmp, final)  # atomic; fails if another process already renamed its build in
     except OSError:

@@ -63,6 +63,7 @@ from learner.parallel import (
     unpack_batch,
 )
 from learner.publish import ShardedSource, gather_all, sharded_digest
+from learner.reward_monitor import RewardMonitor
 from learner.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from learner.step import StepRunner
 
@@ -80,6 +81,7 @@ class Learner:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.reward_monitor = RewardMonitor(cfg.reward, run_dir, log=_print_line)
         self.conn = conn  # rank 0 only: the other ranks never talk to the hub
         self.model_dir = model_dir
         self.ranks = ranks
@@ -146,6 +148,7 @@ class Learner:
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
             row = self.step_metrics(batch, metrics, wait_s, step_s)
+            row.update(self.reward_monitor.step(self.step, batch.groups, row))
             log.log(self.step, row)
             if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
                 self.live.publish({**row, "step": self.step})
@@ -482,3 +485,7 @@ def train_device(choice: str, local_rank: int) -> torch.device:
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)

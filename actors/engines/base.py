@@ -34,6 +34,13 @@ class GenerationRequest:
     """Generation of a sample ends after emitting one of these (it is kept in the completion)."""
     seed: int | None = None
     """Seed for this request's sampling; None = engine's own stream."""
+    cache_keys: tuple[str, ...] = ()
+    """Keep each sample's KV cache under these keys when it finishes (one per sample; empty =
+    keep nothing), for a later request to continue: engines that hold caches between calls
+    (the torch engine) use them; others ignore them."""
+    resume_key: str = ""
+    """Continue the KV cache kept under this key when its tokens start `prompt_tokens` (and the
+    weights are unchanged); otherwise the whole prompt is prefilled as usual."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,11 @@ One `generate` call samples every request's `n` completions as one batch:
   +---- forward the sampled tokens of the rows still running (one token each, cached)
 ```
 
+KV caches across calls (multi-turn episodes): a request may name keys under which its samples'
+caches are kept when they finish (`cache_keys`) and a kept cache to continue (`resume_key`);
+the prefill then covers only the tokens after the cached ones (actors/engines/kv_store.py).
+Loading weights drops every kept cache.
+
 In-flight weight updates: with `between_steps` set, the engine calls it after every sampled
 token; when that call loaded new weights (`load_weights`), the KV cache of the rows still
 running is recomputed under the new weights (one prefill over prompt + tokens so far), so each
@@ -39,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from actors.engines.base import GenerationRequest, Sample
+from actors.engines.kv_store import KvStore, batched_cache, row_entry
 from asyncrl.weights.hf_layout import checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,6 +91,9 @@ class TorchEngine:
         """Seconds spent recomputing KV caches after in-flight weight updates."""
         self.inflight_updates = 0
         """Weight updates applied while sequences were in flight."""
+        self.kv = KvStore()
+        """KV caches kept between calls for requests that name `cache_keys`."""
+        self.supports_kv_reuse = True
 
     @property
     def policy_version(self) -> int:
@@ -129,6 +138,7 @@ class TorchEngine:
             for name, tensor in updates:
                 self._params[name].copy_(tensor)
         self._policy_version = int(policy_version)
+        self.kv.clear()  # computed by the old weights
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the model holds now, under Hugging Face names, as CPU copies.
@@ -170,8 +180,8 @@ class TorchEngine:
             i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None
         }
 
-        cache = DynamicCache(config=self.model.config)
-        logits, mask = self._prefill(requests, cache)
+        keeping = any(r.cache_keys for r in requests)
+        cache, logits, mask = self._prefill_reusing(requests)
         cache.batch_select_indices(row_req)
         logits, mask = logits[row_req], mask[row_req]
         positions = mask.sum(dim=1, keepdim=True) - 1
@@ -192,6 +202,8 @@ class TorchEngine:
             hit_stop = (token.unsqueeze(1) == stop_table[active]).any(dim=1)
             stopped[active] = hit_stop
             keep = ~hit_stop & (row_max[active] > step + 1)
+            if keeping:
+                self._keep_caches(requests, row_req, active, keep, cache, mask, out_tokens, step)
             if not bool(keep.any()):
                 break
             if not bool(keep.all()):
@@ -245,6 +257,60 @@ class TorchEngine:
         self.inflight_recompute_s += time.perf_counter() - start
         self.inflight_updates += 1
         return cache, logits, mask
+
+    def _prefill_reusing(
+        self, requests: Sequence[GenerationRequest]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """`_prefill`, continuing kept caches where requests name usable ones: the cached
+        tokens right-aligned, then each request's new tokens left-padded after them."""
+        entries = [self.kv.take(r.resume_key, r.prompt_tokens, self._policy_version)
+                   for r in requests]  # fmt: skip
+        if all(e is None for e in entries):
+            cache = DynamicCache(config=self.model.config)
+            logits, mask = self._prefill(requests, cache)
+            return cache, logits, mask
+        num_layers = self.model.config.num_hidden_layers
+        cache, cached_mask, lengths = batched_cache(entries, num_layers, self.model.config)
+        rest = [list(r.prompt_tokens)[n:] for r, n in zip(requests, lengths, strict=True)]
+        width = max(len(t) for t in rest)
+        ids = torch.full((len(requests), width), self._pad_id, dtype=torch.long)
+        new_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        positions = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, (tokens, n) in enumerate(zip(rest, lengths, strict=True)):
+            ids[i, width - len(tokens) :] = torch.as_tensor(tokens, dtype=torch.long)
+            new_mask[i, width - len(tokens) :] = 1
+            positions[i, width - len(tokens) :] = torch.arange(n, n + len(tokens))
+        mask = torch.cat([cached_mask, new_mask.to(self._device)], dim=1)
+        logits = self._forward(ids.to(self._device), mask, positions.to(self._device), cache)
+        return cache, logits, mask
+
+    def _keep_caches(
+        self,
+        requests: Sequence[GenerationRequest],
+        row_req: torch.Tensor,
+        active: torch.Tensor,
+        keep: torch.Tensor,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        out_tokens: torch.Tensor,
+        step: int,
+    ) -> None:
+        """Keep the caches of the rows that finish at this step (their last sampled token is
+        not in the cache: the next request brings it with the new tokens)."""
+        first_row = torch.cumsum(torch.tensor([0] + [r.n for r in requests[:-1]]), 0)
+        for pos in (~keep).nonzero().squeeze(1).tolist():
+            row = int(active[pos])
+            req_index = int(row_req[row])
+            request = requests[req_index]
+            if not request.cache_keys:
+                continue
+            key = request.cache_keys[row - int(first_row[req_index])]
+            tokens = [*request.prompt_tokens, *out_tokens[row, :step].tolist()]
+            self.kv.save(key, row_entry(cache, pos, mask[pos], tokens, self._policy_version))
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Forget the caches kept under these keys (their sequences will not continue)."""
+        self.kv.release(keys)
 
     def _prefill(
         self, requests: Sequence[GenerationRequest], cache: DynamicCache

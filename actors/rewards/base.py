@@ -1,10 +1,11 @@
 """The reward seam: what a verifier returns, and the guard that keeps a bad verifier harmless.
 
-A verifier scores one completion of one prompt with a reward in [0, 1]. Verifiers are user
-code and may fail; `safe_score` is what the actor calls: it never raises, and it turns an
-exception, a non-number, a non-finite or an out-of-range reward into reward 0.0 with
-`failed` naming the reason (so the failure is visible in metrics instead of silently skewing
-the advantages).
+A verifier scores one completion of one prompt with a reward, any finite float (the built-in
+ones answer in [0, 1]). Verifiers are user code and may fail; `safe_score` is what calls them:
+it never raises, and it turns an exception, a non-number or a non-finite reward into reward
+0.0 with `failed` naming the reason (so the failure is visible in metrics instead of silently
+skewing the advantages). A verifier is the `task` component of a composed reward
+(actors/rewards/pipeline.py).
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-REWARD_MIN = 0.0
-REWARD_MAX = 1.0
-
 
 @dataclass(frozen=True)
 class RewardResult:
     """The score of one completion."""
 
     reward: float
-    """Scalar reward in [REWARD_MIN, REWARD_MAX]."""
+    """Scalar reward: any finite float."""
     details: dict[str, Any] = field(default_factory=dict)
     """JSON-able breakdown of the reward (components, parsed answer)."""
     failed: str = ""
@@ -52,7 +50,4 @@ def safe_score(
         return RewardResult(0.0, result.details, failed=f"reward is not a number: {reward!r}")
     if not math.isfinite(reward):
         return RewardResult(0.0, result.details, failed=f"reward is not finite: {reward!r}")
-    if not REWARD_MIN <= reward <= REWARD_MAX:
-        reason = f"reward {reward!r} outside [{REWARD_MIN}, {REWARD_MAX}]"
-        return RewardResult(0.0, result.details, failed=reason)
     return RewardResult(float(reward), result.details, result.failed)

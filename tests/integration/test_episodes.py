@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from actors.engines.base import Engine, GenerationRequest, Sample
+from actors.engines.base import GenerationRequest, Sample
 from actors.engines.torch_engine import TorchEngine
 from actors.envs.base import Observation, Row, Step
 from actors.episodes import Episode, EpisodeGroup, EpisodeLimits, EpisodeRunner
@@ -63,9 +63,13 @@ def engine(model_dir: Path) -> Iterator[TorchEngine]:
 class Recording:
     """An Engine that remembers every request and what came back (wraps a real one)."""
 
-    def __init__(self, inner: Engine) -> None:
+    def __init__(self, inner: TorchEngine) -> None:
         self.inner = inner
         self.calls: list[tuple[GenerationRequest, list[Sample]]] = []
+        self.supports_kv_reuse = True  # the runner keeps each episode's cache between turns
+
+    def release(self, keys: Sequence[str]) -> None:
+        self.inner.release(keys)
 
     @property
     def policy_version(self) -> int:
@@ -164,9 +168,11 @@ def test_trajectories_are_the_engines_tokens_under_chat_templates(
     runner = EpisodeRunner(recording, tok, Chat, limits, workers=2)
     for i in range(3):
         runner.start(i, chat_row(i), seed=100 + i, n=4)
+    hits = engine.kv.hits
     groups = run_all(runner)
     runner.close()
     assert len(groups) == 3
+    assert engine.kv.hits > hits and len(engine.kv) == 0  # turns continued kept caches
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for group in groups:
         first = tok.apply_chat_template(

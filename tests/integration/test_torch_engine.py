@@ -184,3 +184,34 @@ def test_bad_requests_are_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError, match=r"requests\[0\].prompt_tokens"):
         engine.generate([GenerationRequest(prompt_tokens=[])])
     assert engine.generate([]) == []
+
+
+def test_a_kept_kv_cache_continues_the_next_turn(
+    tiny_model_dir: Path, reference: PreTrainedModel
+) -> None:
+    """A second request that continues kept caches prefills only its new tokens and samples
+    exactly what a plain forward pass over the whole context gives."""
+    eng = TorchEngine(tiny_model_dir, seed=0)
+    prompts = [eng.encode(p) for p in PROMPTS[:3]]
+    first = eng.generate([
+        GenerationRequest(prompt_tokens=p, n=2, max_new_tokens=5, stop_token_ids=eng.stop_token_ids,
+                          seed=i, cache_keys=(f"{i}a", f"{i}b"))
+        for i, p in enumerate(prompts)
+    ])  # fmt: skip
+    assert len(eng.kv) == 6
+    turn2 = []
+    for i, (prompt, samples) in enumerate(zip(prompts, first, strict=True)):
+        for key, sample in zip("ab", samples, strict=True):
+            context = [*prompt, *sample.completion_tokens.tolist(), *eng.encode("12:")[1:]]
+            turn2.append(GenerationRequest(prompt_tokens=context, n=1, max_new_tokens=4,
+                                           seed=10 + i, resume_key=f"{i}{key}",
+                                           cache_keys=(f"{i}{key}",)))  # fmt: skip
+    second = eng.generate(turn2)
+    assert eng.kv.hits == 6 and eng.kv.misses == 0 and eng.kv.reused_tokens > 0
+    _assert_parity(reference, turn2, second)
+    eng.load_weights(eng.named_weights(), policy_version=1)  # new weights: kept caches are stale
+    assert len(eng.kv) == 0
+    again = eng.generate(turn2[:1])
+    assert eng.kv.misses == 1
+    _assert_parity(reference, turn2[:1], again)
+    eng.close()

@@ -32,6 +32,8 @@ from asyncrl.protocol import (
     Members,
     ProtocolError,
     SampleRequest,
+    ScoreRequest,
+    Scores,
     Stats,
     StatsRequest,
     Trajectory,
@@ -85,6 +87,8 @@ def groups(draw: st.DrawFn) -> Group:
         group_id=draw(texts), prompt_id=draw(texts), credit_id=draw(ints), actor_id=draw(texts),
         seq=draw(ints), trajectories=trajectories, metadata=draw(maps),
         timings=draw(st.dictionaries(texts, floats, max_size=3)),
+        reward_components=draw(st.dictionaries(texts, st.lists(floats, min_size=n, max_size=n),
+                                               max_size=3)),
     )  # fmt: skip
 
 
@@ -95,6 +99,9 @@ def builds(cls: type) -> st.SearchStrategy[Any]:
     for spec in _SPECS[cls]:
         if spec.kind == "msgs":
             fields[spec.name] = st.lists(builds(spec.nested), max_size=2).map(tuple)
+        elif spec.kind == "array":  # Scores: one float32 per sample
+            one = st.floats(width=32, allow_nan=False, allow_infinity=False)
+            fields[spec.name] = st.lists(one, max_size=6).map(lambda v: np.array(v, np.float32))
         else:
             fields[spec.name] = KIND[spec.kind]
     return st.builds(cls, **fields)
@@ -209,6 +216,15 @@ def _golden_messages() -> list[Any]:
         Error(code="bad_message", field="tokens", detail="must be int32"),
         Bye(client_id="a", reason="done"),
         BatchAck(request_id=9),
+        ScoreRequest(request_id=5, prompts=["31:"], completions=["13"], timeout_s=2.0),
+        Scores(
+            request_id=5,
+            scores=np.array([0.5, -1.25], np.float32),
+            model_dir="rm",
+            model_hash="ab12",
+            queue_s=0.25,
+            compute_s=0.5,
+        ),  # fmt: skip
     ]
 
 
@@ -335,6 +351,22 @@ GOLDEN = {
         ),
     ],
     "BatchAck": ["83aa726571756573745f696409a474797065a8426174636841636ba870726f746f636f6c01"],
+    "ScoreRequest": [
+        (
+            "86aa726571756573745f696405a770726f6d70747391a333313aab636f6d706c6574696f6e7391a2"
+            "3133a974696d656f75745f73cb4000000000000000a474797065ac53636f726552657175657374a8"
+            "70726f746f636f6c01"
+        ),
+    ],
+    "Scores": [
+        (
+            "88aa726571756573745f696405a673636f72657383a56474797065a7666c6f61743332a573686170"
+            "659102a56672616d6501a96d6f64656c5f646972a2726daa6d6f64656c5f68617368a461623132a7"
+            "71756575655f73cb3fd0000000000000a9636f6d707574655f73cb3fe0000000000000a474797065"
+            "a653636f726573a870726f746f636f6c01"
+        ),
+        "0000003f0000a0bf",
+    ],
 }
 
 # Messages with appended delivery fields set (at their defaults they stay off the wire, above).
@@ -532,6 +564,10 @@ def test_appended_fields_stay_off_the_wire_at_their_default() -> None:
     assert header(dataclasses.replace(hello, batched_acks=True))["batched_acks"] is True
     assert "session" not in header(hello) and "acks_batches" not in header(hello)
     assert "next_seq" not in header(GOLDEN_MESSAGES["Welcome"])
+    error = GOLDEN_MESSAGES["Error"]
+    assert "request_id" not in header(error) and decode(wire(error)).request_id == -1
+    refused = dataclasses.replace(error, request_id=12)
+    assert header(refused)["request_id"] == 12 and same(decode(wire(refused)), refused)
 
 
 def permuted(msg: Any) -> list[bytes]:
@@ -599,3 +635,41 @@ def test_batches_from_the_hub_skip_only_the_value_scan() -> None:
     with pytest.raises(ProtocolError) as info:
         decode([*frames[:3], frames[3][:-1]], check_values=False)
     assert info.value.field == "groups[0].behavior_logprobs"
+
+
+def test_reward_components_ride_on_the_group_wire() -> None:
+    assert "reward_components" not in header(GROUP)  # the Group golden bytes are unchanged
+    group = dataclasses.replace(GROUP, reward_components={"task": [1.0], "judge": [0.5]})
+    frames = wire(group)
+    assert frames[0].hex() == GOLDEN_COMPONENTS_HEADER
+    assert same(decode(frames), group)
+    assert decode(wire(GROUP)).reward_components == {}
+
+
+def test_reward_components_must_be_one_finite_number_per_trajectory() -> None:
+    assert rejected(edited(GROUP, reward_components={"task": [1.0, 2.0]})).field == (
+        "reward_components"
+    )
+    assert rejected(edited(GROUP, reward_components={"task": [math.nan]})).field == (
+        "reward_components"
+    )
+    assert rejected(edited(GROUP, reward_components={"task": ["1"]})).field == "reward_components"
+    assert rejected(edited(GROUP, reward_components=[1.0])).field == "reward_components"
+    assert decode(edited(GROUP, reward_components={"task": [1]})).reward_components == {
+        "task": [1.0]
+    }  # ints are numbers
+
+
+GOLDEN_COMPONENTS_HEADER = (
+    "de0015a867726f75705f6964a3612f31a970726f6d70745f6964a27031a96372656469745f696407a86163"
+    "746f725f6964a161a373657101ae7472616a6563746f72795f69647391a5612f312f30a87365715f6c656e"
+    "739105ab70726f6d70745f6c656e739103a77265776172647391cb3ff0000000000000b36d696e5f706f6c"
+    "6963795f76657273696f6e739102b36d61785f706f6c6963795f76657273696f6e739103ae66696e697368"
+    "5f726561736f6e7391a473746f70ad7265776172645f6661696c656491a0a6746f6b656e7383a564747970"
+    "65a5696e743332a573686170659105a56672616d6501a96c6f73735f6d61736b83a56474797065a575696e"
+    "7438a573686170659102a56672616d6502b16265686176696f725f6c6f6770726f627383a56474797065a7"
+    "666c6f61743332a573686170659102a56672616d6503a86d6574616461746181a3656e76a4736f7274a774"
+    "696d696e677381aa67656e65726174655f73cb3fd0000000000000b17265776172645f636f6d706f6e656e"
+    "747382a47461736b91cb3ff0000000000000a56a7564676591cb3fe0000000000000a474797065a547726f"
+    "7570a870726f746f636f6c01"
+)

@@ -83,8 +83,6 @@ def test_safe_score_maps_a_missing_answer_to_zero() -> None:
     [
         (RewardResult(math.nan), "not finite"),
         (RewardResult(math.inf), "not finite"),
-        (RewardResult(1.5), "outside"),
-        (RewardResult(-0.1), "outside"),
         (RewardResult("1"), "not a number"),  # type: ignore[arg-type]
         (RewardResult(True), "not a number"),
         (0.5, "returned float"),
@@ -98,3 +96,8 @@ def test_safe_score_maps_bad_rewards_to_zero(value: Any, reason: str) -> None:
 def test_safe_score_passes_good_rewards_through() -> None:
     good = RewardResult(0.25, {"k": 1})
     assert safe_score(_Returning(good), "p", "c", {}) == good
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, -7.0, 123.25])
+def test_safe_score_accepts_any_finite_reward(value: float) -> None:
+    assert safe_score(_Returning(RewardResult(value)), "p", "c", {}).reward == value

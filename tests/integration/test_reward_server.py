@@ -1,0 +1,398 @@
+"""`asyncrl reward-server` as a real process on loopback with the tiny sort reward model: the
+same scores as in-process, dynamic batching, the bounded queue, Errors naming the field,
+timeouts, client retries across a server restart, and CURVE auth."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from actors.rewards.rm_client import RewardModelClient, RewardModelError
+from actors.rewards.rm_component import RewardModelComponent
+from actors.rewards.rm_model import RewardModel, weights_hash
+from actors.rewards.tiny_reward_model import ensure_reward_model
+from asyncrl.auth import keygen
+from asyncrl.protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Hello,
+    Message,
+    ScoreRequest,
+    Scores,
+    decode,
+    encode,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0
+PROMPTS = ["3141:", "9870:", "12:", "55555555:", "0:"]
+COMPLETIONS = ["1134<eos>", "0789<eos>", "21", "55555555<eos>", ""]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny sort reward model, built once per pytest run (shared base temp dir)."""
+    return ensure_reward_model(tmp_path_factory.getbasetemp() / "reward-models")
+
+
+class ServerProcess:
+    """`asyncrl reward-server` in a subprocess; its endpoint is read from its endpoint file."""
+
+    def __init__(self, tmp: Path, model_dir: Path, *options: str, bind: str = "") -> None:
+        self.endpoint_file = tmp / f"endpoint-{time.monotonic_ns()}"
+        self.stats_file = tmp / f"stats-{time.monotonic_ns()}.json"
+        cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(model_dir),
+               "--endpoint-file", str(self.endpoint_file), "--stats-file", str(self.stats_file),
+               "--log-level", "WARNING", *options]  # fmt: skip
+        if bind:
+            cmd += ["--bind", bind]
+        self.log_path = tmp / "reward-server.log"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT_S
+        while not self.endpoint_file.exists():
+            assert self.proc.poll() is None, f"server exited: {self.log_path.read_text()}"
+            assert time.monotonic() < deadline, "the reward server did not start"
+            time.sleep(0.05)
+        self.endpoint = self.endpoint_file.read_text().strip()
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM, by pid; the counters it wrote at exit."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=WAIT_S) == 0
+        return json.loads(self.stats_file.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def sets(**values: object) -> list[str]:
+    out = []
+    for key, value in values.items():
+        out += ["--set", f"reward_model.{key}={json.dumps(value)}"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
+    """Small batches, short wait, a queue of only 16 samples."""
+    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
+                         *sets(max_batch=8, max_wait_ms=5, max_queue_samples=16))  # fmt: skip
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def patient(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
+    """A server whose partial batches wait a minute: batches run only when full."""
+    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
+                         *sets(max_batch=8, max_wait_ms=60000, max_queue_samples=64))  # fmt: skip
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture
+def raw(server: ServerProcess) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def reply(sock: zmq.Socket) -> Message:
+    assert sock.poll(int(WAIT_S * 1000)), "the server did not answer"
+    return decode(sock.recv_multipart())
+
+
+def refused(sock: zmq.Socket, frames: list[Any]) -> Error:
+    sock.send_multipart(frames)
+    msg = reply(sock)
+    assert isinstance(msg, Error), msg
+    return msg
+
+
+def request_header(**changes: Any) -> list[bytes]:
+    msg = ScoreRequest(request_id=77, prompts=["12:"], completions=["12"])
+    header = msgpack.unpackb(encode(msg)[0])
+    header.update(changes)
+    return [msgpack.packb(header)]
+
+
+# --- scores -------------------------------------------------------------------------------------
+
+
+def test_served_scores_equal_in_process_scores(server: ServerProcess, rm_dir: Path) -> None:
+    client = RewardModelClient(server.endpoint, timeout_s=WAIT_S)
+    try:
+        futures = [client.submit(PROMPTS[i:], COMPLETIONS[i:]) for i in range(len(PROMPTS))]
+        results = [f.result() for f in futures]
+    finally:
+        client.close()
+    model = RewardModel(rm_dir)
+    alone = np.array([model.score([p], [c])[0] for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+    for i, res in enumerate(results):
+        np.testing.assert_allclose(res.scores, alone[i:], rtol=0, atol=1e-5)
+        assert res.model_hash == weights_hash(rm_dir) and res.model_dir == str(rm_dir.resolve())
+    assert alone[0] > alone[2]  # a right answer scores above a wrong one
+
+
+def test_component_scores_items_and_records_the_checkpoint(server: ServerProcess) -> None:
+    class Item:
+        def __init__(self, prompt: str, completion: str) -> None:
+            self.prompt, self.completion = prompt, completion
+
+    component = RewardModelComponent(RewardModelClient(server.endpoint), chunk=2)
+    try:
+        pending = component.submit([Item(p, c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+        scores = pending.result()
+    finally:
+        component.close()
+    assert len(scores) == len(PROMPTS) and not any(s.failed for s in scores)
+    assert set(component.provenance()) == {"reward_model_dir", "reward_model_hash"}
+    assert all(np.isfinite(s.value) for s in scores)
+
+
+def test_component_scores_token_ids_like_their_texts(server: ServerProcess) -> None:
+    vocab = sorted(set("".join(PROMPTS + COMPLETIONS)))  # a toy policy tokenizer: one id a char
+
+    def encode_text(text: str) -> list[int]:
+        return [vocab.index(ch) for ch in text]
+
+    def decode(ids: Any) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    component = RewardModelComponent(RewardModelClient(server.endpoint, timeout_s=WAIT_S))
+    try:
+        ids = component.submit_tokens([encode_text(p) for p in PROMPTS],
+                                      [encode_text(c) for c in COMPLETIONS], decode).result()  # fmt: skip
+        texts = component.client.score([p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+    finally:
+        component.close()
+    assert [s.value for s in ids] == pytest.approx(texts, abs=1e-5)
+
+
+def test_concurrent_clients_each_get_their_own_scores(server: ServerProcess, rm_dir: Path) -> None:
+    model = RewardModel(rm_dir)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    expected = [float(model.score([""], [t])[0]) for t in texts]
+    results: dict[int, list[list[float]]] = {}
+
+    def one_client(k: int) -> None:
+        client = RewardModelClient(server.endpoint, client_id=f"c{k}", timeout_s=WAIT_S,
+                                   retries=20, backoff_s=0.01)  # fmt: skip
+        try:  # each client asks for a different rotation of the texts, several in flight
+            mine = texts[k:] + texts[:k]
+            futures = [client.score_async(mine) for _ in range(4)]
+            results[k] = [f.result() for f in futures]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one_client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [0, 1, 2, 3]
+    for k, replies in results.items():
+        for got in replies:
+            np.testing.assert_allclose(got, expected[k:] + expected[:k], rtol=0, atol=1e-5)
+
+
+def test_full_batches_run_together(patient: ServerProcess) -> None:
+    client = RewardModelClient(patient.endpoint, timeout_s=WAIT_S)
+    try:
+        before = client.server_stats()
+        pairs = list(zip(PROMPTS, COMPLETIONS, strict=True)) * 2
+        futures = [client.submit([p], [c]) for p, c in pairs[:8]]
+        assert all(len(f.result().scores) == 1 for f in futures)
+        after = client.server_stats()
+    finally:
+        client.close()
+    assert after["batches"] - before["batches"] == 1  # 8 requests of 1 sample: one batch of 8
+    assert after["largest_batch"] == 8
+    assert after["batch_sizes"].get("8", 0) - before["batch_sizes"].get("8", 0) == 1
+
+
+def test_a_request_past_its_timeout_gets_a_timeout_error(patient: ServerProcess) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(patient.endpoint)
+    try:  # one sample never fills a batch of 8 on this server: it waits past its timeout
+        sock.send_multipart(encode(ScoreRequest(request_id=5, prompts=["1:"], completions=["1"],
+                                                timeout_s=0.3)))  # fmt: skip
+        msg = reply(sock)
+    finally:
+        sock.close()
+        ctx.term()
+    assert isinstance(msg, Error)
+    assert (msg.code, msg.field, msg.request_id) == ("timeout", "timeout_s", 5)
+
+
+# --- bad requests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("frames", "field", "request_id"),
+    [
+        ([b"\xc1garbage"], "header", -1),
+        (request_header(protocol=PROTOCOL_VERSION + 1), "protocol", 77),
+        (request_header(completions=[]), "completions", 77),
+        (request_header(prompts=[], completions=[]), "prompts", 77),
+        (request_header(prompts=[3]), "prompts", 77),
+        (request_header(timeout_s=-1.0), "timeout_s", 77),
+        (request_header(timeout_s=float("nan")), "timeout_s", 77),
+        (request_header(request_id="seven"), "request_id", -1),
+        (
+            encode(Hello(role="actor", client_id="x", protocol_version=1, config_hash="c")),
+            "type",
+            -1,
+        ),
+    ],
+    ids=["garbage", "protocol", "count", "empty", "types", "negative", "nan", "id", "hub-message"],
+)
+def test_bad_requests_get_an_error_naming_the_field(
+    raw: zmq.Socket, server: ServerProcess, frames: list[Any], field: str, request_id: int
+) -> None:
+    err = refused(raw, frames)
+    assert err.field == field and err.request_id == request_id
+    raw.send_multipart(encode(ScoreRequest(request_id=1, prompts=["3:"], completions=["3"])))
+    assert isinstance(reply(raw), Scores)  # the same connection is still served
+
+
+def test_a_full_queue_answers_overloaded_and_the_client_retries(server: ServerProcess, raw: zmq.Socket) -> None:  # fmt: skip
+    before = RewardModelClient(server.endpoint, timeout_s=WAIT_S)
+    scored_before = before.server_stats()["samples_scored"]
+    num = 60  # 8 samples each against a queue of 16: far faster in than out
+    for i in range(num):
+        raw.send_multipart(encode(ScoreRequest(request_id=i, prompts=["3141:"] * 8,
+                                               completions=["1134"] * 8)))  # fmt: skip
+    replies = [reply(raw) for _ in range(num)]
+    assert sorted(r.request_id for r in replies) == list(range(num))  # every one answered
+    overloaded = [r for r in replies if isinstance(r, Error)]
+    assert overloaded and all((r.code, r.field) == ("overloaded", "prompts") for r in overloaded)
+    accepted = [r for r in replies if isinstance(r, Scores)]
+    assert accepted and all(len(r.scores) == 8 for r in accepted)  # no accepted one lost
+    assert len(accepted) + len(overloaded) == num
+    try:
+        assert before.server_stats()["samples_scored"] - scored_before == 8 * len(accepted)
+    finally:
+        before.close()
+    client = RewardModelClient(server.endpoint, timeout_s=WAIT_S, retries=100, backoff_s=0.01,
+                               max_backoff_s=0.05)  # fmt: skip
+    try:  # more in flight than the queue holds: overloaded attempts are retried until scored
+        futures = [client.submit(["3141:"] * 8, ["1134"] * 8) for _ in range(12)]
+        assert all(len(f.result().scores) == 8 for f in futures)
+        assert client.stats["retries"] > 0
+    finally:
+        client.close()
+
+
+# --- timeouts, restarts, auth -------------------------------------------------------------------
+
+
+def test_a_client_with_no_server_times_out_after_its_retries() -> None:
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:  # binds, never answers
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        client = RewardModelClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2,
+                                   backoff_s=0.05)  # fmt: skip
+        try:
+            with pytest.raises(RewardModelError, match="attempt 3") as caught:
+                client.score(["1:1"])
+            assert caught.value.code == "timeout"
+            assert client.stats["timeouts"] == 3 and client.stats["retries"] == 2
+        finally:
+            client.close()
+            silent.setsockopt(zmq.LINGER, 0)
+
+
+def test_the_client_retries_across_a_server_restart(tmp_path: Path, rm_dir: Path) -> None:
+    first = ServerProcess(tmp_path, rm_dir, *sets(max_batch=8, max_wait_ms=60000))
+    client = RewardModelClient(first.endpoint, timeout_s=3.0, retries=10, backoff_s=0.1)
+    second = None
+    try:
+        assert client.server_stats()["requests"] == 0
+        future = client.submit(["21:"], ["12"])  # waits in the first server's queue...
+        first.kill()  # ...which dies with it
+        second = ServerProcess(tmp_path, rm_dir, *sets(max_wait_ms=1), bind=first.endpoint)
+        result = future.result(timeout=WAIT_S)
+        assert result.attempts >= 2 and len(result.scores) == 1
+        assert second.stop()["samples_scored"] >= 1
+    finally:
+        client.close()
+        first.kill()
+        if second is not None:
+            second.kill()
+
+
+def test_auth_admits_key_holders_only(tmp_path: Path, rm_dir: Path) -> None:
+    keys = keygen(tmp_path / "keys", num_clients=1)
+    proc = ServerProcess(tmp_path, rm_dir, "--auth", str(keys))
+    try:
+        client = RewardModelClient(proc.endpoint, auth_dir=str(keys), timeout_s=WAIT_S)
+        try:
+            assert len(client.score(["12:12"])) == 1
+        finally:
+            client.close()
+        stranger = RewardModelClient(proc.endpoint, timeout_s=1.0, retries=0)
+        try:
+            with pytest.raises(RewardModelError, match="no reply"):
+                stranger.score(["12:12"])
+        finally:
+            stranger.close()
+        stats = proc.stop()
+        assert stats["requests"] == 1 and stats["samples_scored"] == 1
+    finally:
+        proc.kill()
+
+
+def test_refuses_to_serve_a_model_with_more_than_one_output(tmp_path: Path, rm_dir: Path) -> None:
+    import shutil
+
+    two = tmp_path / "two-labels"
+    shutil.copytree(rm_dir, two)
+    config = json.loads((two / "config.json").read_text())
+    config["id2label"] = {"0": "a", "1": "b"}
+    (two / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_labels=2"):
+        RewardModel(two)
+
+
+def test_an_open_non_loopback_bind_needs_auth() -> None:
+    from actors.rewards.rm_server import bind_score_router
+    from asyncrl.config import RewardModelConfig
+
+    with zmq.Context() as ctx, pytest.raises(ValueError, match="reward_model.bind"):
+        bind_score_router(ctx, RewardModelConfig(bind="tcp://0.0.0.0:0"), allow_insecure=False)
+
+
+@pytest.mark.parametrize("key", ["max_batch", "timeout_s", "max_in_flight"])
+def test_bad_config_values_name_their_key(key: str) -> None:
+    from asyncrl.config import RewardModelConfig
+
+    with pytest.raises(ValueError, match=f"reward_model.{key}"):
+        RewardModelConfig(**{key: 0})
+
+
+def test_the_command_names_a_bad_model_directory(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(tmp_path / "none")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 2
+    assert "--model" in done.stderr and "not a Hugging Face model directory" in done.stderr
