@@ -102,7 +102,6 @@ def hub(tmp_path: Path) -> Iterator[HubProcess]:
     proc.kill()
 
 
-@pytest.mark.slow
 def test_ten_thousand_mutated_messages_each_get_an_error_naming_the_field(hub: HubProcess) -> None:
     good = hub.connect("learner", "good-learner")
     ctx = zmq.Context()
