@@ -50,6 +50,7 @@ from actors.engines.base import Engine, GenerationRequest
 from actors.envs.base import Env
 from actors.envs.data import from_credit
 from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
+from actors.evaluation import ActorEvaluator
 from actors.rewards.canaries import canary_runner
 from actors.rewards.components import item_from_episode
 from actors.rewards.pipeline import RewardOutcome, RewardPipeline
@@ -113,6 +114,7 @@ class Actor:
         }  # fmt: skip
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
+        self.evaluator: ActorEvaluator | None = None  # runs the hub's evaluation requests
         self.started = time.perf_counter()
         if receiver is not None and cfg.actor.weight_update == "in_flight":
             if not hasattr(engine, "between_steps"):
@@ -140,6 +142,8 @@ class Actor:
         started = 0
         while not self.stop_event.is_set():
             self.swap_weights()
+            if self.evaluator is not None:
+                self.evaluator.poll()  # held-out prompts, outside the training stream
             credits = self.take_credits(limit=max_groups - started if max_groups else None)
             started += len(credits)
             self.start_episodes(credits)
@@ -421,6 +425,7 @@ def main(argv: Sequence[str]) -> int:
         make_env=lambda: make_env(cfg.task), receiver=receiver,
     )  # fmt: skip
     actor.stop_event = stop
+    actor.evaluator = ActorEvaluator(actor, lambda: make_env(cfg.task))
     if cfg.metrics.actor_port:
         port = cfg.metrics.actor_port + args.index
         actor.live = start_metrics("actor", args.actor_id, port, ACTOR_COUNTERS)

@@ -7,6 +7,10 @@
     asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
     asyncrl bench   NAME [args...]                         a benchmark from bench/
     asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
+    asyncrl status  ENDPOINT [--watch] [--pause|--resume]  a live hub's summary (tools/status.py)
+    asyncrl inspect RUN_DIR [--reward-max X ...] [--show N] kept trajectories (tools/inspect.py)
+    asyncrl report  RUN_DIR                                RUN_DIR/report.html (tools/report.py)
+    asyncrl eval    CHECKPOINT [--task T] [--samples N]    evaluate a checkpoint (tools/eval.py)
     asyncrl sandbox run FILE [--stdin F] [--timeout S]     one sandboxed run, JSON out (actors/sandbox)
     asyncrl score   --task T --row R.json --completion F   score one completion (tools/score.py)
     asyncrl reward-server --model DIR [--bind EP] [--auth DIR]
@@ -27,6 +31,10 @@ COMMANDS = {
     "run": ("asyncrl.run", "main"),
     "keygen": ("asyncrl.auth", "keygen_main"),
     "bench": ("asyncrl.bench_cli", "main"),
+    "eval": ("tools.eval", "main"),
+    "inspect": ("tools.inspect", "main"),
+    "report": ("tools.report", "main"),
+    "status": ("tools.status", "main"),
     "launch": ("tools.launch", "main"),
     "sandbox": ("actors.sandbox.cli", "main"),
     "score": ("tools.score", "main"),

@@ -411,6 +411,82 @@ class BatchAck:
     request_id: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class StatusRequest:
+    """Ask the hub for a live summary (`asyncrl status`); answered by `Status`. Needs no Hello:
+    any peer the socket admits (loopback, or a CURVE key on the allow-list) may ask."""
+
+    TYPE: ClassVar[str] = "StatusRequest"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status:
+    """The hub's live summary: clients, versions, staleness, throughput, errors, alarms, evals
+    (see replay/observer.py for the keys)."""
+
+    TYPE: ClassVar[str] = "Status"
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlarmRaised:
+    """The learner's stability alarm fired (asyncrl/alarms.py); `action` is warn, pause (the
+    hub grants no more credits until resumed) or stop (the learner checkpoints and stops)."""
+
+    TYPE: ClassVar[str] = "AlarmRaised"
+    name: str
+    step: int
+    policy_version: int
+    message: str
+    action: str
+    evidence: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Control:
+    """An operator's command to the hub: `pause` or `resume` the actors' credits. Like
+    `StatusRequest`, it needs no Hello."""
+
+    TYPE: ClassVar[str] = "Control"
+    action: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRequest:
+    """The hub asks one actor to evaluate the held-out prompts with weights at least as new as
+    `policy_version`: `num_samples` samples each, outside the training stream."""
+
+    TYPE: ClassVar[str] = "EvalRequest"
+    eval_id: int
+    policy_version: int
+    items: tuple[CreditItem, ...]
+    num_samples: int
+    temperature: float  # 0 = greedy
+    max_new_tokens: int
+    pass_threshold: float  # a sample passes when its reward is at least this
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """An actor's answer to `EvalRequest`, forwarded by the hub to the learner. Per-sample lists
+    are prompt-major: the `num_samples` samples of prompt_ids[0] first."""
+
+    TYPE: ClassVar[str] = "EvalResult"
+    eval_id: int
+    actor_id: str
+    policy_version: int  # the weights every sample was generated with
+    requested_version: int
+    num_samples: int
+    pass_threshold: float
+    prompt_ids: list[str]
+    rewards: list[float]
+    lengths: list[int]
+    finish_reasons: list[str]
+    reward_failed: list[str]
+    generate_s: float
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
@@ -430,6 +506,12 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Error,
     Bye,
     BatchAck,
+    StatusRequest,
+    Status,
+    AlarmRaised,
+    Control,
+    EvalRequest,
+    EvalResult,
     ScoreRequest,
     Scores,
 )
@@ -452,6 +534,12 @@ Message = (
     | Error
     | Bye
     | BatchAck
+    | StatusRequest
+    | Status
+    | AlarmRaised
+    | Control
+    | EvalRequest
+    | EvalResult
     | ScoreRequest
     | Scores
 )

@@ -52,6 +52,7 @@ from asyncrl.weights.hf_layout import checkpoint_tensors, has_fused_experts
 from asyncrl.weights.publisher import WeightPublisher
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.metrics_log import MetricsLog
+from learner.observe import LearnerObserver
 from learner.parallel import (
     SINGLE,
     Op,
@@ -110,6 +111,7 @@ class Learner:
         self.start_time = time.time()
         self.plan = plan
         self.live: LiveMetrics | None = None
+        self.obs: LearnerObserver | None = None  # alarms, trajectory store, evals (observe.py)
         self.publisher: WeightPublisher | None = None
         self.source: ShardedSource | None = None
         if ranks.is_leader:
@@ -136,6 +138,8 @@ class Learner:
             if self.step + 1 < self.cfg.learner.max_steps:
                 self.request_batch(self.policy_version + 1)  # the hub prepares the next batch now
             start = time.perf_counter()
+            if self.obs is not None:
+                self.obs.before_step(batch)  # a sampled step: logprobs at the starting weights
             metrics = self.optimize(batch)
             step_s = time.perf_counter() - start
             self.policy_version += 1
@@ -152,6 +156,8 @@ class Learner:
             log.log(self.step, row)
             if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
                 self.live.publish({**row, "step": self.step})
+            if self.obs is not None:
+                self.obs.after_step(batch, row)  # alarms (may stop the run), trajectory store
             every = self.cfg.learner.checkpoint_every
             if every and self.step % every == 0:
                 self.checkpoint()

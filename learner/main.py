@@ -24,6 +24,7 @@ from asyncrl.tiny_model import ensure_model
 from asyncrl.transport import HubConnection
 from learner.loop import Learner
 from learner.metrics_log import MetricsLog
+from learner.observe import LearnerObserver
 from learner.parallel import (
     Op,
     Ranks,
@@ -112,6 +113,7 @@ def _rank_main(cfg: RunConfig, args: argparse.Namespace, ranks: Ranks) -> int:
         learner.resume()
     if cfg.metrics.learner_port:
         learner.live = start_metrics("learner", "rank0", cfg.metrics.learner_port)
+    learner.obs = LearnerObserver(learner)
     signal.signal(signal.SIGTERM, lambda *_: learner.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: learner.stop_event.set())
     welcome = conn.start()
@@ -155,6 +157,8 @@ def _follow(cfg: RunConfig, run_dir: Path, model_dir: Path, ranks: Ranks, resume
 def _close(log: MetricsLog, learner: Learner, conn: HubConnection) -> None:
     try:
         log.close()
+        if learner.obs is not None:
+            learner.obs.close()
         if learner.publisher is not None:
             learner.publisher.close()
     finally:

@@ -83,6 +83,7 @@ from asyncrl.protocol import (
     encode,  # fmt: skip
 )
 from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
+from replay import observer
 from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
@@ -93,6 +94,7 @@ from replay.state import HubState
 log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
 ROLE_OF[WeightsAnnounce] = ROLE_OF[BatchAck] = "learner"
+ROLE_OF.update(observer.ROLE_OF)
 
 
 class Hub:
@@ -101,7 +103,8 @@ class Hub:
     def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
                  allow_insecure: bool = False) -> None:  # fmt: skip
         self.cfg, rc = cfg, cfg.replay
-        prompts = PromptSource(load_dataset(dataset_path), seed=cfg.run.seed)
+        self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
+        prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
         self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context()
@@ -116,9 +119,8 @@ class Hub:
         self.errors: collections.Counter[str] = collections.Counter()
         self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
         self.wal: WriteAheadLog | None = None
-        self.gated: collections.deque[tuple[int, bytes, Message]] = (
-            collections.deque()
-        )  # (lsn, to, msg): sent once durable
+        # (lsn, to, msg): an Ack or Batch sent once its records are durable
+        self.gated: collections.deque[tuple[int, bytes, Message]] = collections.deque()
         self.recovery = Recovery()
         self.orphans_at = 0.0  # when credits of clients that did not come back expire
         if rc.durability == "durable":
@@ -130,6 +132,7 @@ class Hub:
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
             StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
         }  # fmt: skip
+        self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
 
     def open_state(self, rc: ReplayConfig) -> None:
         """Durable mode: recover the state from `rc.state_dir`, then log every change to it."""
@@ -164,6 +167,10 @@ class Hub:
     def counters(self) -> collections.Counter[str]:
         return self.state.counters
 
+    @property
+    def staleness_hist(self) -> collections.Counter[int]:
+        return self.state.staleness_hist
+
     # --- the main loop --------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
@@ -186,6 +193,7 @@ class Hub:
                 self.serve_parked()  # answer the sample requests that can be answered now
                 self.commit()  # durable: the turn's records on disk, then its acks and batches
                 self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
+                self.obs.tick(time.monotonic())  # rates for status; evaluations due
         finally:
             self.close()
 
@@ -231,6 +239,8 @@ class Hub:
         try:
             msg = decode(frames, self.max_message_bytes)
             kind = type(msg)
+            if kind in observer.OPEN_TYPES:  # StatusRequest, Control: no Hello needed
+                return self.obs.on_open(identity, msg)
             if kind is Hello:
                 return self.on_hello(identity, msg)
             client = self.clients.get(identity)
@@ -361,6 +371,8 @@ class Hub:
         Each actor's share is bounded by the window at the version it will generate with
         (`replay.admission.grant`), which it reports in WeightsLoaded and heartbeats.
         """
+        if self.obs.paused:  # an alarm or an operator paused the actors
+            return
         actors = list(self.clients.actors())
         credits = self.state.credits
         free = {c.identity: c.concurrency - credits.held_by(c.identity) for c in actors}

@@ -19,13 +19,17 @@ from asyncrl.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    AlarmRaised,
     Batch,
     BatchAck,
     Bye,
+    Control,
     CreditItem,
     CreditReturn,
     Credits,
     Error,
+    EvalRequest,
+    EvalResult,
     Group,
     Heartbeat,
     Hello,
@@ -36,6 +40,8 @@ from asyncrl.protocol import (
     Scores,
     Stats,
     StatsRequest,
+    Status,
+    StatusRequest,
     Trajectory,
     Version,
     WeightsAnnounce,
@@ -170,6 +176,25 @@ def test_arbitrary_bytes_raise_only_protocol_errors(frames: list[bytes]) -> None
         pass
 
 
+@pytest.mark.parametrize("name", ["StatusRequest", "Status", "AlarmRaised", "Control",
+                                  "EvalRequest", "EvalResult", "Credits", "Group"])  # fmt: skip
+def test_a_field_replaced_by_anything_decodes_or_raises_protocol_error(name: str) -> None:
+    @FAST
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        frames = wire(GOLDEN_MESSAGES[name])
+        head = msgpack.unpackb(frames[0])
+        key = data.draw(st.sampled_from(sorted(head)))
+        head[key] = data.draw(values)
+        try:
+            msg = decode([msgpack.packb(head), *frames[1:]])
+        except ProtocolError:
+            return
+        assert type(msg) is type(GOLDEN_MESSAGES[name]) or key == "type"
+
+    check()
+
+
 # --- golden bytes (any change here is a wire-format change: bump PROTOCOL_VERSION) -------------
 
 
@@ -216,6 +241,40 @@ def _golden_messages() -> list[Any]:
         Error(code="bad_message", field="tokens", detail="must be int32"),
         Bye(client_id="a", reason="done"),
         BatchAck(request_id=9),
+        StatusRequest(),
+        Status(status={"policy_version": 4, "paused": ""}),
+        AlarmRaised(
+            name="kl_spike",
+            step=9,
+            policy_version=9,
+            message="kl spiked",
+            action="warn",
+            evidence={"value": 2.5, "window": [1, 8]},
+        ),  # fmt: skip
+        Control(action="pause", reason="look"),
+        EvalRequest(
+            eval_id=2,
+            policy_version=5,
+            items=(item,),
+            num_samples=2,
+            temperature=0.0,
+            max_new_tokens=8,
+            pass_threshold=1.0,
+        ),  # fmt: skip
+        EvalResult(
+            eval_id=2,
+            actor_id="a",
+            policy_version=5,
+            requested_version=5,
+            num_samples=2,
+            pass_threshold=1.0,
+            prompt_ids=["p1"],
+            rewards=[1.0, 0.5],
+            lengths=[3, 4],
+            finish_reasons=["stop", "length"],
+            reward_failed=["", ""],
+            generate_s=0.125,
+        ),  # fmt: skip
         ScoreRequest(request_id=5, prompts=["31:"], completions=["13"], timeout_s=2.0),
         Scores(
             request_id=5,
@@ -351,6 +410,48 @@ GOLDEN = {
         ),
     ],
     "BatchAck": ["83aa726571756573745f696409a474797065a8426174636841636ba870726f746f636f6c01"],
+    "StatusRequest": [
+        ("82a474797065ad53746174757352657175657374a870726f746f636f6c01"),
+    ],
+    "Status": [
+        (
+            "83a673746174757382ae706f6c6963795f76657273696f6e04a6706175736564a0a474797065a653"
+            "7461747573a870726f746f636f6c01"
+        ),
+    ],
+    "AlarmRaised": [
+        (
+            "88a46e616d65a86b6c5f7370696b65a47374657009ae706f6c6963795f76657273696f6e09a76d65"
+            "7373616765a96b6c207370696b6564a6616374696f6ea47761726ea865766964656e636582a57661"
+            "6c7565cb4004000000000000a677696e646f77920108a474797065ab416c61726d526169736564a8"
+            "70726f746f636f6c01"
+        ),
+    ],
+    "Control": [
+        (
+            "84a6616374696f6ea57061757365a6726561736f6ea46c6f6f6ba474797065a7436f6e74726f6ca8"
+            "70726f746f636f6c01"
+        ),
+    ],
+    "EvalRequest": [
+        (
+            "89a76576616c5f696402ae706f6c6963795f76657273696f6e05a56974656d739185a96372656469"
+            "745f696407a970726f6d70745f6964a27031a670726f6d7074a7736f7274203331a4736565642aa4"
+            "696e666f81a6646967697473a23331ab6e756d5f73616d706c657302ab74656d7065726174757265"
+            "cb0000000000000000ae6d61785f6e65775f746f6b656e7308ae706173735f7468726573686f6c64"
+            "cb3ff0000000000000a474797065ab4576616c52657175657374a870726f746f636f6c01"
+        ),
+    ],
+    "EvalResult": [
+        (
+            "8ea76576616c5f696402a86163746f725f6964a161ae706f6c6963795f76657273696f6e05b17265"
+            "717565737465645f76657273696f6e05ab6e756d5f73616d706c657302ae706173735f7468726573"
+            "686f6c64cb3ff0000000000000aa70726f6d70745f69647391a27031a77265776172647392cb3ff0"
+            "000000000000cb3fe0000000000000a76c656e67746873920304ae66696e6973685f726561736f6e"
+            "7392a473746f70a66c656e677468ad7265776172645f6661696c656492a0a0aa67656e6572617465"
+            "5f73cb3fc0000000000000a474797065aa4576616c526573756c74a870726f746f636f6c01"
+        ),
+    ],
     "ScoreRequest": [
         (
             "86aa726571756573745f696405a770726f6d70747391a333313aab636f6d706c6574696f6e7391a2"

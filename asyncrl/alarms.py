@@ -1,0 +1,357 @@
+"""Stability alarms: detectors over the learner's per-step metrics (the rows of metrics.jsonl).
+
+```
+  learner step -> row (metrics.jsonl) -> AlarmMonitor.observe(row) -> [Alarm ...]
+                                              |   history: the last 2 windows of rows,
+                                              |   the warm-up's medians, per-component ranges
+                                              v
+               learner/observe.py: warn (log + alarms.jsonl + hub), pause actors, or stop
+```
+
+Each detector looks at the recent window (the last `alarms.window_steps` rows) and compares it
+with the window before it or with the warm-up (the first `alarms.warmup_steps` rows); medians
+over a window make single noisy steps harmless (a healthy tiny run has steps with ESS 0.07 and
+IS weights of 60, see tests/data/). What they catch:
+
+    nan                   a non-finite value in any metric (fires at once, no warm-up)
+    ess_collapse          window median ESS < ess_min
+    is_weight_blowup      window median of the step's largest IS weight > is_weight_max
+    kl_spike              the last spike_steps' median mismatch KL > kl_spike_factor × the
+                          earlier window's median, and >= kl_min
+    entropy_collapse      window median entropy < entropy_collapse_frac × the earlier window's
+    reward_jump_length    mean reward up by >= reward_jump while the mean length shrinks below
+                          length_collapse_ratio or grows above length_blowup_ratio of before
+    reward_jump_entropy   the same jump while the mean entropy falls below entropy_drop_ratio
+    grad_norm_spike       the same for the gradient norm (grad_norm_spike_factor, grad_norm_min)
+    staleness_drift       window mean staleness >= warm-up mean + staleness_drift
+    component_saturation  a `reward/<name>` component, having varied, sits flat at the top of
+                          its range for a whole window (a reward being gamed)
+
+A fired detector is quiet for `alarms.cooldown_steps`. This module is pure Python (no torch): the
+tests feed it recorded metric streams, and tools read the `Alarm` records it makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import AlarmsConfig
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One fired detector: what, when, and the evidence (values and window)."""
+
+    name: str
+    step: int
+    policy_version: int
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able record (non-finite numbers become null)."""
+        return {"name": self.name, "step": self.step, "policy_version": self.policy_version,
+                "message": self.message, "evidence": json_safe(self.evidence)}  # fmt: skip
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def number(row: Row, key: str) -> float:
+    """The row's value for `key` as a float: NaN when missing, null or not a number."""
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    return float(value)
+
+
+def _values(rows: Sequence[Row], key: str) -> list[float]:
+    return [number(r, key) for r in rows]
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _median(values: Sequence[float]) -> float:
+    finite = _finite(values)
+    return statistics.median(finite) if finite else math.nan
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = _finite(values)
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _window(rows: Sequence[Row]) -> list[int]:
+    return [int(rows[0].get("step", 0)), int(rows[-1].get("step", 0))]
+
+
+def _rounded(values: Sequence[float]) -> list[float]:
+    return [round(v, 6) if math.isfinite(v) else v for v in values]
+
+
+Finding = tuple[str, dict[str, Any]] | None
+"""A detector's result: None, or (message, evidence)."""
+
+
+class AlarmMonitor:
+    """Feeds each learner step's metrics to the detectors; returns the alarms that fire."""
+
+    def __init__(self, cfg: AlarmsConfig) -> None:
+        self.cfg = cfg
+        w = cfg.window_steps
+        self.history: collections.deque[Row] = collections.deque(maxlen=2 * w + 1)
+        self.warmup: list[Row] = []
+        self.quiet_until: dict[str, int] = {}
+        self.ranges: dict[str, list[float]] = {}  # reward component -> [min, max] so far
+        self.num_rows = 0
+        self.detectors: dict[str, Callable[[], Finding]] = {
+            "ess_collapse": self.ess_collapse, "is_weight_blowup": self.is_weight_blowup,
+            "kl_spike": self.kl_spike, "entropy_collapse": self.entropy_collapse,
+            "reward_jump_length": self.reward_jump_length,
+            "reward_jump_entropy": self.reward_jump_entropy,
+            "grad_norm_spike": self.grad_norm_spike, "staleness_drift": self.staleness_drift,
+            "component_saturation": self.component_saturation,
+        }  # fmt: skip
+
+    def observe(self, row: Row) -> list[Alarm]:
+        """Add one step's metrics; return the alarms this step fires (usually none)."""
+        self.history.append(row)
+        self.num_rows += 1
+        if len(self.warmup) < self.cfg.warmup_steps:
+            self.warmup.append(row)
+        self.track_components(row)
+        step = int(row.get("step", self.num_rows))
+        found = [("nan", self.nan())]
+        if self.num_rows > self.cfg.warmup_steps and len(self.history) > self.cfg.window_steps:
+            found += [(name, detect()) for name, detect in self.detectors.items()]
+        fired = []
+        for name, finding in found:
+            if finding is None or step < self.quiet_until.get(name, -1):
+                continue
+            self.quiet_until[name] = step + self.cfg.cooldown_steps
+            message, evidence = finding
+            version = int(number(row, "policy_version")) if "policy_version" in row else step
+            fired.append(Alarm(name, step, version, message, evidence))
+        return fired
+
+    # --- windows ----------------------------------------------------------------------------
+
+    @property
+    def recent(self) -> list[Row]:
+        """The last `window_steps` rows (this step included)."""
+        return list(self.history)[-self.cfg.window_steps :]
+
+    @property
+    def earlier(self) -> list[Row]:
+        """The rows before the recent window (up to one window of them)."""
+        rows = list(self.history)[: -self.cfg.window_steps]
+        return rows[-self.cfg.window_steps :]
+
+    def track_components(self, row: Row) -> None:
+        for key in row:
+            if key.startswith("reward/"):
+                value = number(row, key)
+                if math.isfinite(value):
+                    lo, hi = self.ranges.setdefault(key, [value, value])
+                    self.ranges[key] = [min(lo, value), max(hi, value)]
+
+    # --- detectors ---------------------------------------------------------------------------
+
+    def nan(self) -> Finding:
+        row = self.history[-1]
+        bad = sorted(k for k, v in row.items() if k not in ("step", "time") and not _is_finite(v))
+        if not bad:
+            return None
+        shown = {k: row.get(k) for k in bad}
+        return f"non-finite metrics at step {row.get('step')}: {', '.join(bad)}", {"values": shown}
+
+    def ess_collapse(self) -> Finding:
+        return self._level("ess", self.cfg.ess_min, below=True, what="effective sample size")
+
+    def is_weight_blowup(self) -> Finding:
+        return self._level("is_weight_max", self.cfg.is_weight_max, below=False,
+                           what="largest IS weight")  # fmt: skip
+
+    def _level(self, key: str, bound: float, *, below: bool, what: str) -> Finding:
+        values = _values(self.recent, key)
+        median = _median(values)
+        if not math.isfinite(median) or (median >= bound if below else median <= bound):
+            return None
+        side, how = ("below", "collapsed") if below else ("above", "blew up")
+        message = f"{what} {how}: window median {key} = {median:.4g} {side} {bound:g}"
+        return message, {"key": key, "median": median, "threshold": bound,
+                         "window": _window(self.recent), "values": _rounded(values)}  # fmt: skip
+
+    def kl_spike(self) -> Finding:
+        return self._spike("mismatch_kl", self.cfg.kl_spike_factor, self.cfg.kl_min)
+
+    def grad_norm_spike(self) -> Finding:
+        return self._spike("grad_norm", self.cfg.grad_norm_spike_factor, self.cfg.grad_norm_min)
+
+    def _spike(self, key: str, factor: float, floor: float) -> Finding:
+        latest = _values(list(self.history)[-self.cfg.spike_steps :], key)
+        value = _median(latest)
+        before = _values(self.earlier, key)
+        median = _median(before)
+        if not (math.isfinite(value) and math.isfinite(median)):
+            return None
+        if value < floor or value <= factor * max(median, 1e-12):
+            return None
+        message = f"{key} spiked to {value:.4g} (median of the last {len(latest)} steps), " \
+                  f"{value / max(median, 1e-12):.1f}x the median {median:.4g} of the " \
+                  f"{len(before)} steps before"  # fmt: skip
+        return message, {"key": key, "value": value, "earlier_median": median, "factor": factor,
+                         "floor": floor, "latest_values": _rounded(latest), "earlier_window": _window(self.earlier),
+                         "earlier_values": _rounded(before)}  # fmt: skip
+
+    def entropy_collapse(self) -> Finding:
+        now, before = (
+            _median(_values(self.recent, "entropy")),
+            _median(_values(self.earlier, "entropy")),
+        )
+        frac = self.cfg.entropy_collapse_frac
+        if not (math.isfinite(now) and math.isfinite(before)) or now >= frac * before:
+            return None
+        message = f"entropy collapsed from {before:.4g} to {now:.4g} within a window " \
+                  f"(< {frac:g}x)"  # fmt: skip
+        return message, self._compare_evidence("entropy", before, now)
+
+    def _compare_evidence(self, key: str, before: float, now: float) -> dict[str, Any]:
+        return {"key": key, "earlier": before, "recent": now,
+                "earlier_window": _window(self.earlier), "window": _window(self.recent),
+                "earlier_values": _rounded(_values(self.earlier, key)),
+                "values": _rounded(_values(self.recent, key))}  # fmt: skip
+
+    def _reward_jump(self) -> tuple[float, float] | None:
+        before = _mean(_values(self.earlier, "reward_mean"))
+        now = _mean(_values(self.recent, "reward_mean"))
+        if (
+            not (math.isfinite(before) and math.isfinite(now))
+            or now - before < self.cfg.reward_jump
+        ):
+            return None
+        return before, now
+
+    def reward_jump_length(self) -> Finding:
+        jump = self._reward_jump()
+        if jump is None:
+            return None
+        before = _mean(_values(self.earlier, "response_len_mean"))
+        now = _mean(_values(self.recent, "response_len_mean"))
+        if not (math.isfinite(before) and math.isfinite(now)) or before <= 0:
+            return None
+        ratio = now / before
+        if self.cfg.length_collapse_ratio <= ratio <= self.cfg.length_blowup_ratio:
+            return None
+        how = "collapsed" if ratio < 1 else "blew up"
+        message = f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the response length " \
+                  f"{how} {before:.1f} -> {now:.1f} tokens"  # fmt: skip
+        evidence = self._compare_evidence("response_len_mean", before, now)
+        evidence.update(reward_earlier=jump[0], reward_recent=jump[1], length_ratio=ratio,
+                        reward_values=_rounded(_values(self.recent, "reward_mean")))  # fmt: skip
+        return message, evidence
+
+    def reward_jump_entropy(self) -> Finding:
+        jump = self._reward_jump()
+        if jump is None:
+            return None
+        before = _mean(_values(self.earlier, "entropy"))
+        now = _mean(_values(self.recent, "entropy"))
+        if not (math.isfinite(before) and math.isfinite(now)) or before <= 0:
+            return None
+        if now / before >= self.cfg.entropy_drop_ratio:
+            return None
+        message = f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the entropy collapsed " \
+                  f"{before:.3g} -> {now:.3g}"  # fmt: skip
+        evidence = self._compare_evidence("entropy", before, now)
+        evidence.update(reward_earlier=jump[0], reward_recent=jump[1],
+                        reward_values=_rounded(_values(self.recent, "reward_mean")))  # fmt: skip
+        return message, evidence
+
+    def staleness_drift(self) -> Finding:
+        base = _mean(_values(self.warmup, "staleness_mean"))
+        now = _mean(_values(self.recent, "staleness_mean"))
+        if (
+            not (math.isfinite(base) and math.isfinite(now))
+            or now - base < self.cfg.staleness_drift
+        ):
+            return None
+        message = f"staleness drifted from {base:.2f} (warm-up) to {now:.2f} versions (window)"
+        return message, {"key": "staleness_mean", "warmup": base, "recent": now,
+                         "warmup_window": _window(self.warmup), "window": _window(self.recent),
+                         "values": _rounded(_values(self.recent, "staleness_mean"))}  # fmt: skip
+
+    def component_saturation(self) -> Finding:
+        eps = self.cfg.saturation_eps
+        for key, (lo, hi) in sorted(self.ranges.items()):
+            span = hi - lo
+            values = _finite(_values(self.recent, key))
+            if span <= 0 or len(values) < self.cfg.window_steps:
+                continue
+            if max(values) - min(values) > eps * span or min(values) < hi - eps * span:
+                continue
+            message = f"reward component {key} saturated: flat at {values[-1]:.4g} (the top of " \
+                      f"its range [{lo:.4g}, {hi:.4g}]) for {len(values)} steps"  # fmt: skip
+            return message, {"key": key, "range": [lo, hi], "window": _window(self.recent),
+                             "values": _rounded(values)}  # fmt: skip
+        return None
+
+
+def _is_finite(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_is_finite(v) for v in value)
+    return True
+
+
+def scan(rows: Sequence[Row], cfg: AlarmsConfig) -> list[Alarm]:
+    """Every alarm a recorded metric stream fires, in order (for tests and reports)."""
+    monitor = AlarmMonitor(cfg)
+    return [alarm for row in rows for alarm in monitor.observe(row)]
+
+
+def read_alarms(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an alarms.jsonl, in one shape (name, step, policy_version, action,
+    message, evidence) whether written here or by the learner's reward monitor (whose records
+    say `alarm` and `evidence` only); [] when there is no file."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        evidence = r.get("evidence", {})
+        out.append({
+            "name": str(r.get("name") or f"reward:{r.get('alarm', '?')}"),
+            "step": int(r.get("step", 0)),
+            "policy_version": int(r.get("policy_version", r.get("step", 0))),
+            "action": str(r.get("action", "warn")),
+            "message": str(r.get("message") or json.dumps(evidence)),
+            "evidence": evidence,
+        })  # fmt: skip
+    return out

@@ -1,0 +1,173 @@
+"""The hub's observability: live status, alarms, pause/resume, and evaluations during the run.
+
+```
+  asyncrl status ──StatusRequest──> hub ──Status(summary())──> asyncrl status (table)
+  asyncrl status --pause/--resume ──Control──> hub: paused = no credits granted (actors idle)
+  learner ──AlarmRaised──> hub: kept for status; action "pause" pauses the actors
+  hub loop tick ──> rate window (1 s samples, 30 s) ; EvalSchedule ──EvalRequest──> an actor
+  actor ──EvalResult──> hub ──forwarded unchanged──> learner (eval.jsonl, TensorBoard)
+```
+
+`StatusRequest` and `Control` need no Hello (an operator's one-off query): the socket already
+admits only loopback peers, or with CURVE only allow-listed keys. Everything here runs on the
+hub's one thread, called from replay/server.py's loop and handlers.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.evaluation import summarize
+from asyncrl.protocol import (
+    AlarmRaised,
+    Control,
+    EvalResult,
+    ProtocolError,
+    Status,
+    StatusRequest,
+)
+from replay.clients import Client
+from replay.evals import EvalSchedule, held_out_split
+from replay.prompts import Prompt
+
+if TYPE_CHECKING:
+    from replay.server import Hub
+
+ROLE_OF = {EvalResult: "actor", AlarmRaised: "learner"}
+"""Which role may send each message handled here (the hub refuses the others)."""
+OPEN_TYPES = (StatusRequest, Control)
+"""Messages answered without a Hello."""
+RATE_WINDOW_S = 30.0
+MAX_ALARMS = 50
+
+
+class HubObserver:
+    """Status summaries, alarms, pause state and the evaluation schedule of one hub."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.started = time.monotonic()
+        self.paused = ""  # why the actors are paused ("" = not paused)
+        self.alarms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_ALARMS)
+        self.num_alarms = 0
+        self.samples: collections.deque[tuple[float, int, int, int]] = collections.deque()
+        self.evals = EvalSchedule(hub.cfg, [])
+        self.handlers = {AlarmRaised: self.on_alarm, EvalResult: self.on_eval_result}
+
+    def split(self, rows: list[Prompt]) -> list[Prompt]:
+        """The training rows; the held-out ones become the evaluation set."""
+        train, held = held_out_split(rows, self.hub.cfg.eval)
+        self.evals = EvalSchedule(self.hub.cfg, held)
+        return train
+
+    # --- messages -------------------------------------------------------------------------------
+
+    def on_open(self, identity: bytes, msg: StatusRequest | Control) -> None:
+        """A StatusRequest or Control from anyone: apply it, answer with the status."""
+        if isinstance(msg, Control):
+            if msg.action not in ("pause", "resume"):
+                raise ProtocolError("action", f"must be pause or resume, got {msg.action!r}")
+            self.pause(msg.reason or "operator") if msg.action == "pause" else self.resume()
+        self.hub.send(identity, Status(status=self.summary()))
+
+    def on_alarm(self, client: Client, msg: AlarmRaised, frames: list[Any]) -> None:
+        if msg.action not in ("warn", "pause", "stop"):
+            raise ProtocolError("action", f"must be warn, pause or stop, got {msg.action!r}")
+        self.num_alarms += 1
+        self.alarms.append({"name": msg.name, "step": msg.step,
+                            "policy_version": msg.policy_version, "message": msg.message,
+                            "action": msg.action, "time": time.time()})  # fmt: skip
+        if msg.action == "pause":
+            self.pause(f"alarm {msg.name} at step {msg.step}")
+
+    def on_eval_result(self, client: Client, msg: EvalResult, frames: list[Any]) -> None:
+        if msg.actor_id != client.client_id:
+            raise ProtocolError("actor_id", f"{msg.actor_id!r} is not the sender")
+        n, prompts = msg.num_samples, len(msg.prompt_ids)
+        for name in ("rewards", "lengths", "finish_reasons", "reward_failed"):
+            if n < 1 or len(getattr(msg, name)) != n * prompts:
+                raise ProtocolError(name, f"must hold num_samples x prompts = {n * prompts} values")
+        if not self.evals.accept(msg, summarize(msg)):
+            return  # a late answer to a request already sent elsewhere: logged once, by the other
+        for learner in self.hub.clients.by_identity.values():
+            if learner.role == "learner":
+                self.hub.outbox.send(learner.identity, list(frames))  # forwarded as received
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def pause(self, why: str) -> None:
+        """No more credits until resumed (credits already granted are still used)."""
+        if not self.paused:
+            print(f"asyncrl replay: actors paused: {why}", flush=True)
+        self.paused = why
+
+    def resume(self) -> None:
+        if self.paused:
+            print(f"asyncrl replay: actors resumed (were paused: {self.paused})", flush=True)
+        self.paused = ""
+
+    def tick(self, now: float) -> None:
+        """Once per loop turn: sample the rates (once a second) and hand out evaluations."""
+        if not self.samples or now - self.samples[-1][0] >= 1.0:
+            c = self.hub.counters
+            self.samples.append((now, c["groups_received"], c["groups_consumed"],
+                                 self.hub.policy_version))  # fmt: skip
+            while now - self.samples[0][0] > RATE_WINDOW_S:
+                self.samples.popleft()
+        self.schedule_eval(now)
+
+    def schedule_eval(self, now: float) -> None:
+        """Send the evaluation due (if any) to the actor holding the newest weights."""
+        if not any(c.role == "learner" for c in self.hub.clients.by_identity.values()):
+            return  # results go to the learner: none connected yet (or any more)
+        actors = list(self.hub.clients.actors())
+        request = self.evals.ready(self.hub.policy_version, now, {c.identity for c in actors})
+        if request is None or not actors:
+            return
+        actor = max(actors, key=lambda c: c.loaded_version)
+        self.hub.send(actor.identity, request)
+        self.evals.sent(request, actor.identity, now)
+
+    # --- the summary ----------------------------------------------------------------------------
+
+    def rates(self) -> dict[str, float]:
+        if len(self.samples) < 2:
+            return {"window_s": 0.0, "groups_received_per_s": 0.0,
+                    "groups_consumed_per_s": 0.0, "samples_per_s": 0.0, "versions_per_s": 0.0}  # fmt: skip
+        (t0, r0, c0, v0), (t1, r1, c1, v1) = self.samples[0], self.samples[-1]
+        dt = max(t1 - t0, 1e-9)
+        group_size = self.hub.cfg.actor.group_size
+        return {"window_s": round(dt, 3), "groups_received_per_s": (r1 - r0) / dt,
+                "groups_consumed_per_s": (c1 - c0) / dt,
+                "samples_per_s": (c1 - c0) * group_size / dt, "versions_per_s": (v1 - v0) / dt}  # fmt: skip
+
+    def staleness(self) -> dict[str, Any]:
+        hist = self.hub.staleness_hist
+        total = sum(hist.values())
+        mean = sum(k * v for k, v in hist.items()) / total if total else 0.0
+        return {"bound": self.hub.cfg.replay.max_staleness, "mean": mean,
+                "max": max(hist) if hist else 0, "hist": {str(k): v for k, v in sorted(hist.items())}}  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        """The live summary `Status` carries."""
+        hub, stats = self.hub, self.hub.stats()
+        clients = stats.pop("clients")
+        for line in clients.values():
+            if "loaded_version" in line and line.get("role") == "actor":
+                line["lag"] = hub.policy_version - int(line["loaded_version"])
+        ev = self.evals
+        in_flight = ev.in_flight.request.policy_version if ev.in_flight else None
+        return {
+            "time": time.time(), "uptime_s": time.monotonic() - self.started,
+            "endpoint": hub.endpoint, "policy_version": hub.policy_version, "paused": self.paused,
+            "clients": clients, "throughput": self.rates(), "staleness": self.staleness(),
+            "buffer": {"stored": len(hub.buffer), "capacity": hub.buffer.capacity,
+                       "parked_requests": len(hub.parked)},
+            "errors": stats.pop("errors"), "counters": stats,
+            "alarms": list(self.alarms), "num_alarms": self.num_alarms,
+            "eval": {"every_versions": ev.every, "requested": ev.num_requested,
+                     "results": ev.num_results, "resent": ev.num_resent,
+                     "in_flight_version": in_flight, "last": ev.last},
+        }  # fmt: skip

@@ -1,0 +1,78 @@
+"""W&B only when configured; the store and the inspector on a multi-turn trajectory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from asyncrl.config import TrajectoriesConfig
+from asyncrl.protocol import Group, Trajectory
+from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table, load_table
+from learner.observe import start_wandb
+from tools.inspect import show, turns
+
+
+def wandb_cfg(project: str) -> SimpleNamespace:
+    return SimpleNamespace(metrics=SimpleNamespace(wandb_project=project, wandb_mode="offline"))
+
+
+def test_wandb_is_not_imported_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it would raise ImportError
+    assert start_wandb(wandb_cfg(""), Path(".")) is None
+
+
+def test_wandb_configured_but_missing_fails_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ValueError, match=r"metrics.wandb_project.*asyncrl\[wandb\]"):
+        start_wandb(wandb_cfg("my-project"), Path("."))
+
+
+def multi_turn_group() -> Group:
+    """Prompt [1, 2]; model turn [10, 11]; tool output [20, 21, 22] (mask 0); model turn [12]."""
+    traj = Trajectory(
+        tokens=np.array([1, 2, 10, 11, 20, 21, 22, 12], np.int32), prompt_len=2,
+        loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
+        behavior_logprobs=np.array([-1.0, -2.0, 0, 0, 0, -0.5], np.float32), reward=0.75,
+        min_policy_version=3, max_policy_version=4, finish_reason="stop", num_turns=2,
+    )  # fmt: skip
+    return Group.build(group_id="a/0", prompt_id="p-1", credit_id=7, actor_id="a", seq=0,
+                       trajectories=[traj],
+                       reward_components={"position": [0.5], "multiset": [1.0]})  # fmt: skip
+
+
+def test_multi_turn_trajectory_round_trips_and_shows_turn_by_turn(tmp_path: Path) -> None:
+    group = multi_turn_group()
+    learner = [np.array([-1.5, -2.0, 0, 0, 0, -0.25], np.float32)]
+    columns = {"learner_logprobs": learner, "train_version": np.array([5]),
+               "learner_version": np.array([5]), "staleness": np.array([2]),
+               "advantage": np.array([0.0]), "task": ["lookup"]}  # fmt: skip
+    writer = TrajectoryWriter(tmp_path, TrajectoriesConfig(), {"tokenizer_dir": ""})
+    writer.write_sample(6, build_table(6, [group], [Kept(0, 0, "sample")], columns))
+    record = load_table(tmp_path).record(0)
+    assert record["components"] == {"multiset": 1.0, "position": 0.5}
+    assert turns(record) == [("model", 0, 2), ("environment", 2, 5), ("model", 5, 6)]
+    text = show(record, lambda ids: "".join(f"<{int(t)}>" for t in ids))
+    assert "[model] <10><11>" in text and "[environment] <20><21><22>" in text
+    assert "[model] <12>" in text and "reward components: multiset 1, position 0.5" in text
+    assert f"{np.exp(-1.5 + 1.0):.4f}" in text  # the first token's IS weight π/μ
+    assert "staleness 2" in text and "task lookup" in text
+
+
+def test_sample_stays_bounded_and_spread_over_the_run(tmp_path: Path) -> None:
+    cfg = TrajectoriesConfig(sample_every_steps=2, max_sampled_steps=4, max_flagged=3)
+    writer = TrajectoryWriter(tmp_path, cfg, {"tokenizer_dir": ""})
+    table = build_table(0, [multi_turn_group()], [Kept(0, 0, "sample")], {})
+    for step in range(1, 65):  # as the learner does: a sample on every due step
+        if writer.sample_due(step):
+            writer.write_sample(step, {**table, "step": np.array([step])})
+    steps = sorted(int(s) for s in load_table(tmp_path)["step"])
+    stride = writer.meta["stride"]
+    assert len(steps) <= 4 and stride == 8  # 32 due steps at stride 1 -> 4 at stride 8
+    assert steps == [16, 32, 48, 64]  # spread evenly over the whole run
+    assert writer.room(5) == 3 and writer.meta["flagged_dropped"] == 2
