@@ -298,6 +298,7 @@ class Actor:
         self.stats["reward_failures"] += failures
         self.stats["samples"] += len(trajectories)
         self.stats["tokens"] += sum(int(t.loss_mask.sum()) for t in trajectories)
+        self.seq = self.conn.next_seq(self.seq)  # a restarted actor goes on where the hub is
         group_id = f"{self.actor_id}/{self.seq}"
         counts = {k: sum(ep.counts[k] for ep in group.episodes) for k in ("tool_calls",
                   "tool_errors", "malformed_calls")}  # fmt: skip

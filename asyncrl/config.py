@@ -43,6 +43,12 @@ class RunSection:
     """torch threads of the learner process; 0 = half the cores (at least 1)."""
     actor_threads: int = 0
     """torch threads of each actor process; 0 = the remaining cores shared among actors."""
+    max_restarts: int = 10
+    """`asyncrl run`: how often one crashed process (hub, an actor, the learner) is restarted
+    before the run ends; 0 = never restart."""
+    restart_backoff_s: float = 1.0
+    """`asyncrl run`: wait before the first restart of a process, doubled for each further
+    restart of it (at most 30 s)."""
 
     def __post_init__(self) -> None:
         _check(self.num_actors >= 1, "run.num_actors", "must be >= 1", self.num_actors)
@@ -51,6 +57,13 @@ class RunSection:
             self.learner_threads >= 0, "run.learner_threads", "must be >= 0", self.learner_threads
         )
         _check(self.actor_threads >= 0, "run.actor_threads", "must be >= 0", self.actor_threads)
+        _check(self.max_restarts >= 0, "run.max_restarts", "must be >= 0", self.max_restarts)
+        _check(
+            self.restart_backoff_s >= 0,
+            "run.restart_backoff_s",
+            "must be >= 0",
+            self.restart_backoff_s,
+        )
         _check(
             self.progress_every_s > 0, "run.progress_every_s", "must be > 0", self.progress_every_s
         )
@@ -209,8 +222,35 @@ class ReplayConfig:
     """ZeroMQ send/receive high-water marks, in messages."""
     auth_dir: str = ""
     """Directory with CURVE keys (`asyncrl keygen`); empty = no auth, loopback only."""
+    durability: Literal["volatile", "durable"] = "volatile"
+    """`volatile`: state in memory only, acks after store. `durable`: every state change goes to
+    a write-ahead log in `state_dir`, acks and batches leave only after their records are
+    written, and a restarted hub recovers buffer, credits, cursor, dedup and version."""
+    state_dir: str = ""
+    """Directory of the durable hub's log and snapshot (`asyncrl run`: <run_dir>/replay)."""
+    fsync: Literal["commit", "off"] = "commit"
+    """Durable mode: `commit` fsyncs each group commit before its acks (survives power loss);
+    `off` leaves flushing to the OS (survives a killed hub, not a crashed machine)."""
+    snapshot_log_bytes: int = 256 * 1024 * 1024
+    """Durable mode: log size that triggers a snapshot and a fresh log (bounds disk and
+    recovery time)."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.durability in ("volatile", "durable"),
+            "replay.durability",
+            "must be 'volatile' or 'durable'",
+            self.durability,
+        )
+        _check(
+            self.fsync in ("commit", "off"), "replay.fsync", "must be 'commit' or 'off'", self.fsync
+        )
+        _check(
+            self.snapshot_log_bytes >= 1024,
+            "replay.snapshot_log_bytes",
+            "must be >= 1024",
+            self.snapshot_log_bytes,
+        )
         _check(self.max_staleness >= 0, "replay.max_staleness", "must be >= 0", self.max_staleness)
         _check(
             self.capacity_groups >= 1,

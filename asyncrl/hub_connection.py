@@ -25,6 +25,14 @@ Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)):
   So a completed group is never lost; it is counted twice only if the old hub handed it to the
   learner but died before its Ack (sent first) left the machine.
 - `Error(code="capacity")` makes the connection re-send its unacked groups one heartbeat later.
+- Each connection object says a random `Hello.session`: the hub keeps an actor id's dedup window
+  across connections of one session (a resend after a reconnect is recognised) and starts a new
+  window for a new session (a restarted process), whose `Welcome.next_seq` says where the
+  actor's numbering goes on (`next_seq()`), so a restarted actor's groups are never mistaken for
+  resends.
+- A learner that says `acks_batches` sends `BatchAck(request_id)` once it trained a batch: until
+  then the hub lends the batch's groups, and a new learner session (the process died) gets them
+  back in replay. After a hub restart its last `BatchAck` is sent again with its `Version`.
 
 Trust: the hub checked every group's array values (token ids, masks, finite logprobs) when the
 group arrived, and a `Batch` forwards those very bytes, so messages from the hub are decoded
@@ -36,6 +44,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -49,6 +58,7 @@ from asyncrl.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Batch,
+    BatchAck,
     Bye,
     CreditReturn,
     Credits,
@@ -88,6 +98,7 @@ class HubConnection:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         hwm: int = 10000,
         auth_dir: str = "",
+        acks_batches: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.hello = Hello(
@@ -97,6 +108,8 @@ class HubConnection:
             config_hash=config_hash,
             concurrency=concurrency,
             batched_acks=True,
+            session=secrets.randbits(62) + 1,
+            acks_batches=acks_batches,
         )
         self.heartbeat_interval_s = heartbeat_interval_s
         self.max_message_bytes = max_message_bytes
@@ -113,6 +126,7 @@ class HubConnection:
         self._retired: set[int] = set()  # credits of a previous hub incarnation, still usable once
         self._unacked: dict[int, Group] = {}  # seq -> group, in send order
         self._last_version: Version | None = None
+        self._last_batch_ack: BatchAck | None = None
         self._pending_request: SampleRequest | None = None
         self._policy_version = 0
         self._welcomed = threading.Event()
@@ -168,6 +182,8 @@ class HubConnection:
                 self._retired.difference_update(msg.credit_ids)
             elif isinstance(msg, Version):
                 self._last_version = msg
+            elif isinstance(msg, BatchAck):
+                self._last_batch_ack = msg
             elif isinstance(msg, SampleRequest):
                 self._pending_request = msg
             if isinstance(msg, (Version, SampleRequest, WeightsLoaded)):
@@ -196,6 +212,12 @@ class HubConnection:
     def on(self, msg_type: type, handler: Callable[[Message], None]) -> None:
         """Run `handler(msg)` on the I/O thread for every inbound message of `msg_type`."""
         self._handlers[msg_type] = handler
+
+    def next_seq(self, seq: int) -> int:
+        """The seq to number the next new group with, given the caller's own counter: never
+        below what the hub (in its latest Welcome) has already taken from this client id."""
+        welcome = self.welcome
+        return max(seq, welcome.next_seq) if welcome is not None else seq
 
     def credits_held(self) -> int:
         with self._lock:
@@ -245,6 +267,7 @@ class HubConnection:
         self._resend_at = 0.0
         self._resend_after_welcome: list[int] = []
         self._registered = False
+        self._lost_at = 0.0
         poller = zmq.Poller()
         poller.register(wake_rx, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
@@ -349,10 +372,14 @@ class HubConnection:
         if first:
             self._welcomed.set()
             return
-        log.info("%s: registered again with the hub", self.hello.client_id)
+        away = time.monotonic() - self._lost_at
+        log.warning("%s: registered again with the hub (%.1f s after it forgot us); re-sending "
+                    "%d unacknowledged groups", self.hello.client_id, away,
+                    len(self._resend_after_welcome))  # fmt: skip
         self._resend_unacked(dealer, self._resend_after_welcome)
         with self._lock:
-            extra = [m for m in (self._last_version, self._pending_request) if m is not None]
+            last = (self._last_version, self._last_batch_ack, self._pending_request)
+            extra = [m for m in last if m is not None]
         for m in extra:
             self._send_frames(dealer, encode(m))
 
@@ -373,7 +400,8 @@ class HubConnection:
                 self._retired |= self._held
                 self._held.clear()
                 self._resend_after_welcome = list(self._unacked)
-            log.info(
+            self._lost_at = time.monotonic()
+            log.warning(
                 "%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id
             )
             self._send_frames(dealer, encode(self.hello))

@@ -60,6 +60,8 @@ class Hello:
     config_hash: str
     concurrency: int = 0  # groups an actor generates at once (its credit window)
     batched_acks: bool = _appended(False)  # the client understands `Ack.seqs`
+    session: int = _appended(0)  # random per connection object; a new one = a restarted client
+    acks_batches: bool = _appended(False)  # a learner that sends BatchAck once it trained a batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,7 @@ class Welcome:
     policy_version: int
     heartbeat_interval_s: float
     max_staleness: int
+    next_seq: int = _appended(0)  # the lowest seq this hub has not taken from this client id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,6 +402,16 @@ class Bye:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BatchAck:
+    """The learner trained on the batch of `request_id` and on every batch it requested
+    before (cumulative): the hub forgets their groups. Until then it lends them, and gives
+    them out again if this learner's session ends."""
+
+    TYPE: ClassVar[str] = "BatchAck"
+    request_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StatusRequest:
     """Ask the hub for a live summary (`asyncrl status`); answered by `Status`. Needs no Hello:
     any peer the socket admits (loopback, or a CURVE key on the allow-list) may ask."""
@@ -492,6 +505,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Stats,
     Error,
     Bye,
+    BatchAck,
     StatusRequest,
     Status,
     AlarmRaised,
@@ -519,6 +533,7 @@ Message = (
     | Stats
     | Error
     | Bye
+    | BatchAck
     | StatusRequest
     | Status
     | AlarmRaised

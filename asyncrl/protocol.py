@@ -43,6 +43,7 @@ from asyncrl.messages import (
     Ack,
     AlarmRaised,
     Batch,
+    BatchAck,
     Bye,
     Control,
     CreditItem,
@@ -74,7 +75,7 @@ from asyncrl.messages import (
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "ROLES",
-    "Ack", "Batch", "Bye", "CreditItem", "CreditReturn", "Credits", "Error", "Group",
+    "Ack", "Batch", "BatchAck", "Bye", "CreditItem", "CreditReturn", "Credits", "Error", "Group",
     "Heartbeat", "Hello", "Members", "Message", "ProtocolError", "SampleRequest", "ScoreRequest",
     "Scores", "Stats",
     "StatsRequest", "Trajectory", "Version", "WeightsAnnounce", "WeightsLoaded", "Welcome",

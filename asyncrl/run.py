@@ -10,11 +10,15 @@
   stop: the learner exits after learner.max_steps (or run.max_wall_s / Ctrl-C sends it SIGTERM;
   it checkpoints and hands its final weights to the actors), then actors, then the hub get
   SIGTERM (the reward server last), each by pid; anything still alive after a grace period is killed, by pid.
+  crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
+  with backoff; a run that cannot go on ends with one line saying why.
 ```
 
 The run directory receives: config.toml (resolved), prompts.jsonl, metrics.jsonl, tb/
 (TensorBoard), checkpoints/, actor-*.json (each actor's final version and weights digest),
-learner_summary.json, hub.log / actor-*.log / learner.log, reward.png and summary.json.
+learner_summary.json, hub.log / actor-*.log / learner.log, reward.png and summary.json;
+trained_groups.jsonl (the groups of each learner step) and, for a durable hub, replay/ (its
+write-ahead log and snapshot).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig, load_config, to_toml
+from asyncrl.supervise import Supervisor
 
 
 class Processes:
@@ -45,7 +50,7 @@ class Processes:
     def start(self, name: str, args: Sequence[str], threads: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
-        log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child; a restart appends
         proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl", *args], stdout=log, stderr=subprocess.STDOUT, env=env
         )
@@ -225,90 +230,41 @@ def plot_reward(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
-    """Start everything, show progress until the learner finishes or the budget runs out.
+    """Start everything, supervise it, show progress until the learner finishes, a process
+    cannot go on (asyncrl/supervise.py) or the budget runs out; `summary["reason"]` says which.
 
     With `resume`, the learner continues from the run directory's latest checkpoint (its
     policy_version included) and metrics.jsonl is appended to.
     """
+    cfg = with_state_dir(cfg, run_dir)
     config_path, dataset = prepare(cfg, run_dir)
     (run_dir / "hub.endpoint").unlink(missing_ok=True)
     (run_dir / "reward_server.endpoint").unlink(missing_ok=True)
     if not resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     procs = Processes(run_dir)
-    learner_threads, actor_threads = thread_split(cfg)
     start = time.monotonic()
-    interrupted = False
+    interrupted, reason, restarts = False, "", {}
     try:
         if cfg.reward_model.serve:
             cfg = start_reward_server(cfg, procs, config_path)
-        hub = procs.start(
-            "hub",
-            [
-                "replay",
-                "--config",
-                str(config_path),
-                "--dataset",
-                str(dataset),
-                "--endpoint-file",
-                str(run_dir / "hub.endpoint"),
-            ],
-            threads=1,
-        )
+        hub_args = ["replay", "--config", str(config_path), "--dataset", str(dataset),
+                    "--endpoint-file", str(run_dir / "hub.endpoint")]  # fmt: skip
+        hub = procs.start("hub", hub_args, threads=1)
         endpoint = wait_for_file(run_dir / "hub.endpoint", hub, timeout_s=60)
-        actor_names = [f"actor-{i}" for i in range(cfg.run.num_actors)]
-        for i, name in enumerate(actor_names):
-            procs.start(
-                name,
-                [
-                    "actor",
-                    "--config",
-                    str(config_path),
-                    "--hub",
-                    endpoint,
-                    "--actor-id",
-                    name,
-                    "--index",
-                    str(i),
-                    "--status-file",
-                    str(run_dir / f"{name}.json"),
-                ],
-                threads=actor_threads,
-            )
-        learner_args = [
-            "learner",
-            "--config",
-            str(config_path),
-            "--hub",
-            endpoint,
-            "--run-dir",
-            str(run_dir),
-        ]
-        learner = procs.start(
-            "learner", learner_args + (["--resume"] if resume else []), threads=learner_threads
-        )
-        next_print = 0.0
-        tail = MetricsTail(run_dir / "metrics.jsonl")
-        while learner.poll() is None:
-            elapsed = time.monotonic() - start
-            if cfg.run.max_wall_s and elapsed > cfg.run.max_wall_s:
-                print(
-                    f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached: stopping the learner",
-                    flush=True,
-                )
-                procs.stop(["learner"], grace_s=cfg.weights.timeout_s + 30)
-                break
-            if procs.failed():
-                raise RuntimeError(
-                    f"{', '.join(procs.failed())} exited with an error; see the logs in {run_dir}"
-                )
-            if not quiet and elapsed >= next_print:
-                print(progress_line(tail.poll(), elapsed), flush=True)
-                next_print = elapsed + cfg.run.progress_every_s
-            time.sleep(0.1)
+        commands = child_commands(cfg, config_path, run_dir, endpoint, hub_args, resume)
+        for name, command in commands.items():
+            if name != "hub":
+                procs.start(name, *command())
+        supervisor = Supervisor(procs, commands, max_restarts=cfg.run.max_restarts,
+                                backoff_s=cfg.run.restart_backoff_s)  # fmt: skip
+        reason = supervise(cfg, procs, supervisor, run_dir, start, quiet)
+        restarts = supervisor.summary()
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted, reason = True, "interrupted"
         print("interrupted: stopping the learner, actors and hub", flush=True)
+    except (RuntimeError, TimeoutError) as exc:  # the hub could not start
+        reason = str(exc)
     finally:
         procs.stop(["learner"], grace_s=cfg.weights.timeout_s + 30)
         procs.stop([n for n in procs.procs if n.startswith("actor-")], grace_s=30)
@@ -317,7 +273,7 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
     rows = read_metrics(run_dir / "metrics.jsonl")
     summary = summarize(rows)
     summary["exit_codes"] = {n: p.returncode for n, p in procs.procs.items()}
-    summary["interrupted"] = interrupted
+    summary.update(interrupted=interrupted, reason=reason, restarts=restarts)
     if rows:
         plot_reward(
             rows,
@@ -326,6 +282,68 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
         )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def with_state_dir(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """A durable hub without `replay.state_dir` keeps its state under <run_dir>/replay."""
+    if cfg.replay.durability != "durable" or cfg.replay.state_dir:
+        return cfg
+    replay = dataclasses.replace(cfg.replay, state_dir=str(run_dir / "replay"))
+    return dataclasses.replace(cfg, replay=replay)
+
+
+def child_commands(
+    cfg: RunConfig, config_path: Path, run_dir: Path, endpoint: str, hub_args: list[str],
+    resume: bool,
+) -> dict[str, Callable[[], tuple[list[str], int]]]:  # fmt: skip
+    """How to (re)start each child: name -> () -> (asyncrl arguments, threads). A restarted hub
+    binds the endpoint everyone dials; a restarted learner resumes once a checkpoint exists."""
+    learner_threads, actor_threads = thread_split(cfg)
+    common = ["--config", str(config_path), "--hub", endpoint]
+    commands: dict[str, Callable[[], tuple[list[str], int]]] = {
+        "hub": lambda: ([*hub_args, "--bind", endpoint], 1)
+    }
+    for i in range(cfg.run.num_actors):
+        name = f"actor-{i}"
+        args = ["actor", *common, "--actor-id", name, "--index", str(i),
+                "--status-file", str(run_dir / f"{name}.json")]  # fmt: skip
+        commands[name] = lambda args=args: (args, actor_threads)
+    first = [resume]
+
+    def learner() -> tuple[list[str], int]:
+        again = first.pop() if first else latest_checkpoint_exists(run_dir)
+        args = ["learner", *common, "--run-dir", str(run_dir)]
+        return args + (["--resume"] if again else []), learner_threads
+
+    commands["learner"] = learner
+    return commands
+
+
+def latest_checkpoint_exists(run_dir: Path) -> bool:
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(ckpts.iterdir())
+
+
+def supervise(
+    cfg: RunConfig, procs: Processes, supervisor: Supervisor, run_dir: Path, start: float,
+    quiet: bool,
+) -> str:  # fmt: skip
+    """The run's loop: restarts, budget, progress lines; returns why it ended."""
+    next_print = 0.0
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    while True:
+        elapsed = time.monotonic() - start
+        if cfg.run.max_wall_s and elapsed > cfg.run.max_wall_s:
+            print(f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached: stopping the learner", flush=True)  # fmt: skip
+            procs.stop(["learner"], grace_s=cfg.weights.timeout_s + 30)
+            return f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached"
+        reason = supervisor.check(time.monotonic())
+        if reason:
+            return reason
+        if not quiet and elapsed >= next_print:
+            print(progress_line(tail.poll(), elapsed), flush=True)
+            next_print = elapsed + cfg.run.progress_every_s
+        time.sleep(0.1)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -358,7 +376,11 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.run.run_dir)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: the Ctrl-C path, by pid
-    summary = run(cfg, run_dir, quiet=args.quiet, resume=args.resume)
+    try:
+        summary = run(cfg, run_dir, quiet=args.quiet, resume=args.resume)
+    except ValueError as exc:  # a setting that cannot work (the model, the task, the state)
+        print(f"run ended: {exc}", file=sys.stderr, flush=True)
+        return 2
     if summary.get("steps"):
         print(
             f"done: {summary['steps']} steps in {summary['time_s']:.0f} s; reward {summary['reward_first_tenth']:.3f} "
@@ -366,8 +388,10 @@ def main(argv: Sequence[str]) -> int:
             f"{summary['staleness_max']}; {summary['samples_per_s']:.1f} samples/s. Plot: {run_dir / 'reward.png'}",
             flush=True,
         )
-    bad = {n: c for n, c in summary["exit_codes"].items() if c not in (0, None)}
-    if bad and not summary["interrupted"]:
-        print(f"processes exited with errors: {bad}; logs in {run_dir}", file=sys.stderr)
-        return 1
-    return 130 if summary["interrupted"] else 0
+    if summary["interrupted"]:
+        return 130
+    reason = summary["reason"]
+    ok = reason == "the learner finished" or reason.startswith("wall-clock budget")
+    print(f"run ended: {reason}" + ("" if ok else f"; logs in {run_dir}"), flush=True,
+          file=sys.stdout if ok else sys.stderr)  # fmt: skip
+    return 0 if ok else 1

@@ -137,12 +137,18 @@ def bind_router(
     return sock, endpoint
 
 
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 100, 5000
+
+
 def connect_dealer(ctx: zmq.Context, endpoint: str, client_id: str, *, hwm: int,
                    max_message_bytes: int, heartbeat_s: float, auth_dir: str = "") -> zmq.Socket:  # fmt: skip
     """A client's DEALER, connected to the hub at `endpoint` with routing id `client_id`."""
     dealer = ctx.socket(zmq.DEALER)
     set_socket_options(dealer, hwm, max_message_bytes, heartbeat_s)
     dealer.setsockopt(zmq.ROUTING_ID, client_id.encode())
+    # a lost hub is redialled with exponential backoff: 0.1 s, doubling up to 5 s
+    dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    dealer.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if auth_dir:
         auth.make_client(dealer, auth_dir, client_id)
     dealer.connect(endpoint)

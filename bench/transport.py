@@ -5,9 +5,11 @@ noise hits every variant alike:
 
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
-               (`SampleRequest` -> `Batch`, two requests in flight) and decodes every batch.
+               (`SampleRequest` -> `Batch`, IN_FLIGHT requests in flight) and decodes every batch.
                Two hops, acks and credits included; the hub validates every group in full,
                the learner checks structure and sizes (the hub scanned the values already).
+- `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
+               directory, fsync per group commit): `durable_over_volatile` = hub_durable / hub.
 - `raw`:       a PUSH process sends the same frames (encoded header + three array buffers) to a
                PULL socket in this process: one hop, no validation. `ratio` = hub / raw.
 - `raw_relay`: the same through a `zmq.proxy` forwarder process: two hops at C speed, the
@@ -57,7 +59,8 @@ from bench_common import environment, spread  # noqa: E402
 
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64
-VARIANTS = ("hub", "raw", "raw_relay")
+VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
+IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
 
 
 def make_group(target_bytes: int) -> Group:
@@ -174,7 +177,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
     while received < count:
-        while in_flight < 2 and received + in_flight * batch < count:
+        while in_flight < IN_FLIGHT and received + in_flight * batch < count:
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
@@ -235,6 +238,26 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
 # --- setup, report --------------------------------------------------------------------------
 
 
+DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fsync="commit"']
+
+
+def disk_fsync_mbps(directory: Path, total_mib: int = 128) -> float:
+    """Sequential write bandwidth of the state directory's disk with an fsync every 1 MiB:
+    the ceiling of a durable hub that fsyncs every group commit."""
+    path = directory / "fsync-probe"
+    block = os.urandom(1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    start = time.perf_counter()
+    try:
+        for _ in range(total_mib):
+            os.write(fd, block)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return total_mib * (1 << 20) / (time.perf_counter() - start) / 1e6
+
+
 def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     dataset = tmp / "prompts.jsonl"
     dataset.write_text(
@@ -258,52 +281,69 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
     count -= count % batch
     overrides = overrides_for(actual, batch)
-    proc, endpoint = start_hub(tmp, overrides)
-    hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(), "request_id": 0,
-           "pid": proc.pid}  # fmt: skip
-    learner = HubConnection(endpoint, role="learner", client_id="learner", config_hash=hub["hash"])
-    learner.start()
+    hubs = {}
+    for name, extra in (("hub", []), ("hub_durable", DURABLE)):
+        if name not in args.variants:
+            continue
+        state_dir = tmp / f"state-{actual}"
+        extra = [x.replace("STATE", str(state_dir)) for x in extra]
+        proc, endpoint = start_hub(tmp, overrides + extra)
+        hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
+               "request_id": 0, "pid": proc.pid, "proc": proc}  # fmt: skip
+        hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
+                                       config_hash=hub["hash"])  # fmt: skip
+        hub["learner"].start()
+        hubs[name] = hub
     times: dict[str, list[float]] = {name: [] for name in VARIANTS if name in args.variants}
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
-                if name == "hub":
-                    elapsed, cpu_s = run_hub(hub, learner, actual, count, batch, f"{rep}")
+                if name in hubs:
+                    hub = hubs[name]
+                    elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
                 else:
                     elapsed, cpu_s = run_raw(actual, count, relay=name == "raw_relay")
                 if rep:
                     times[name].append(elapsed)
                     cpus[name].append(cpu_s / count * 1e6)
                     loads.append(os.getloadavg()[0])
-                parts = hub["cpu_parts"][-1] if name == "hub" else {}
+                parts = hubs[name]["cpu_parts"][-1] if name in hubs else {}
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
                       f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
                       f"load {os.getloadavg()[0]:4.2f} "
                       + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
     finally:
-        learner.close()
-        proc.terminate()
-        proc.wait()
+        for hub in hubs.values():
+            hub["learner"].close()
+            hub["proc"].terminate()
+            hub["proc"].wait()
     if set(times) != set(VARIANTS) or not args.reps:
         return {"group_bytes": actual, "partial": True}  # a profiling run, not a result
     gps = {k: [count / t for t in v] for k, v in times.items()}
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
     relay_ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw_relay"], strict=True)]
+    durable = [d / h for d, h in zip(gbps["hub_durable"], gbps["hub"], strict=True)]
+    disk = disk_fsync_mbps(tmp)
     return {
         "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
+        "durable_over_volatile": statistics.median(durable),
+        "durable_over_volatile_stats": spread(durable),
+        "hub_durable_groups_per_s": statistics.median(gps["hub_durable"]),
+        "disk_fsync_mbps": disk,
+        "durable_ceiling_over_volatile": disk / 1e3 / statistics.median(gbps["hub"]),
         "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
         "raw_gbps_stats": spread(gbps["raw"]), "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
         "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
         "loadavg_1min": spread(loads), "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
         "hub_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hub["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
+            k: spread([p[k] for p in hubs["hub"]["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
         },
     }  # fmt: skip
 
@@ -350,7 +390,7 @@ def main() -> None:
         if r.get("partial"):
             continue
         print(f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
-              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f}")  # fmt: skip
+              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f} | durable/volatile {r['durable_over_volatile']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import (
     Batch,
+    BatchAck,
     Error,
     Group,
     Members,
@@ -143,6 +144,9 @@ class Learner:
             step_s = time.perf_counter() - start
             self.policy_version += 1
             self.step += 1
+            # trained: the hub may forget the batch (a learner dying before gets it again)
+            self.conn.send(BatchAck(request_id=batch.request_id))
+            self.record_trained(batch)
             # Members come back asynchronously; fetch_batch re-publishes if they changed
             self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:
@@ -175,6 +179,14 @@ class Learner:
                 num_groups=self.cfg.learner.groups_per_step,
             )
         )
+
+    def record_trained(self, batch: Batch) -> None:
+        """Append the step's groups, as (actor_id, seq), to run_dir/trained_groups.jsonl (the
+        provenance of every step; bench/chaos.py checks delivery with it)."""
+        ids = [[g.actor_id, g.seq] for g in batch.groups]
+        line = json.dumps({"step": self.step, "policy_version": self.policy_version, "groups": ids})
+        with open(self.run_dir / "trained_groups.jsonl", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
     def fetch_batch(self) -> tuple[Batch | None, float]:
         """Wait for the batch of the outstanding request (or until we are stopped)."""

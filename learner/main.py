@@ -106,6 +106,7 @@ def _rank_main(cfg: RunConfig, args: argparse.Namespace, ranks: Ranks) -> int:
         max_message_bytes=cfg.replay.max_message_bytes,
         hwm=cfg.replay.hwm,
         auth_dir=cfg.replay.auth_dir,
+        acks_batches=True,
     )
     learner = Learner(cfg, run_dir, conn, model_dir, ranks)
     if args.resume:

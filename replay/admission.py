@@ -30,7 +30,7 @@ once). `CreditBook` keeps the outstanding credits themselves. No sockets, no clo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from asyncrl.protocol import CreditItem
 from replay.buffer import ReplayBuffer
@@ -127,8 +127,10 @@ class CreditBook:
     """Outstanding credits: which holder (a routing id) may push a group for which prompt.
 
     Credit ids carry the hub's incarnation in their high 32 bits, so a group for a credit of an
-    earlier hub process is recognised as such (see asyncrl/transport.py for what the hub does
-    with it) instead of being confused with a forged or spent credit of this one.
+    earlier hub process is recognised as such (see asyncrl/hub_connection.py for what the hub
+    does with it) instead of being confused with a forged or spent credit of this one. A hub
+    that recovered its state (replay/durability.py) still knows the credits of its earlier
+    incarnations that were outstanding, and who holds them.
     """
 
     def __init__(self, prompts: PromptSource, incarnation: int) -> None:
@@ -148,6 +150,10 @@ class CreditBook:
 
     def holds(self, holder: bytes, credit_id: int) -> bool:
         return credit_id in self._held.get(holder, ())
+
+    def holders(self) -> list[bytes]:
+        """Every holder with outstanding credits."""
+        return [holder for holder, book in self._held.items() if book]
 
     def held_by(self, holder: bytes) -> int:
         return len(self._held.get(holder, ()))
@@ -183,6 +189,20 @@ class CreditBook:
         self.outstanding -= len(returned)
         self.num_returned += len(returned)
         return len(returned)
+
+    def export(self) -> dict[str, Any]:
+        """Everything a snapshot needs (`restore` takes it back)."""
+        held = [[holder, list(book.items())] for holder, book in self._held.items()]
+        return {"incarnation": self.incarnation, "serial": self._serial, "held": held,
+                "issued": self.num_issued, "expired": self.num_expired,
+                "returned": self.num_returned}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.incarnation, self._serial = state["incarnation"], state["serial"]
+        self._held = {holder: dict(map(tuple, items)) for holder, items in state["held"]}
+        self.outstanding = sum(map(len, self._held.values()))
+        self.num_issued, self.num_expired = state["issued"], state["expired"]
+        self.num_returned = state["returned"]
 
     def expire(self, holder: bytes) -> int:
         """A holder left or died: all its credits expire and their prompts are re-issued."""

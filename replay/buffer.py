@@ -21,6 +21,14 @@ whole `Group` (all samples of one prompt). Invariants (pinned by tests/unit/test
 Order: `fifo` takes the oldest inserted first; `freshest` takes the highest
 `min_policy_version` first (oldest inserted first among equals).
 
+Durability (replay/durability.py): an insert may carry the log position (`lsn`) of its
+write-ahead record; `sample(..., durable_lsn=...)` hands out only groups whose record is on disk,
+so a crash can never lose a group the learner already trained on. `take` replays a recorded
+hand-out; `give_back` undoes the hand-outs of a batch the learner never trained on (it died):
+those groups are eligible again, ahead of every other; `rewind` moves the version back (a
+learner resumed from an older checkpoint); `export`/`restore` carry the whole state through a
+snapshot.
+
 Reuse limiter (Reverb's SampleToInsertRatio, in groups): with `samples_per_insert` = r > 0 the
 buffer tracks diff = r * inserted - sampled. A batch of n may be sampled only while
 diff - n >= -T, and `insert_room()` (which the hub's credits honour) allows inserts only while
@@ -55,6 +63,7 @@ class _Entry:
     group: Group
     min_version: int
     times_sampled: int = 0
+    lsn: int = 0  # log position of its write-ahead record (0: nothing to wait for)
 
 
 class ReplayBuffer:
@@ -105,8 +114,9 @@ class ReplayBuffer:
 
     # --- insert ---------------------------------------------------------------------------------
 
-    def insert(self, group: Group) -> InsertResult:
-        """Store a group unless it is a duplicate, already stale, or the buffer is full."""
+    def insert(self, group: Group, lsn: int = 0) -> InsertResult:
+        """Store a group unless it is a duplicate, already stale, or the buffer is full; it is
+        handed out only once `lsn` (its write-ahead record, 0 = none) is durable."""
         key = (group.actor_id, group.seq)
         if key in self._entries:
             self.num_duplicates += 1
@@ -117,13 +127,20 @@ class ReplayBuffer:
             return InsertResult.STALE
         if len(self._entries) >= self.capacity and not self._evict_one_sampled():
             return InsertResult.FULL
-        entry = _Entry(key, group, min_version)
+        entry = _Entry(key, group, min_version, lsn=lsn)
         self._entries[key] = entry
         self._by_version.setdefault(min_version, {})[key] = entry
         self.num_inserted += 1
         self.num_unsampled += 1
         self._limiter_diff += self.samples_per_insert
         return InsertResult.STORED
+
+    def has_room(self, group: Group) -> bool:
+        """Whether `insert(group)` would not answer FULL (a stale group needs no room)."""
+        if len(self._entries) < self.capacity:
+            return True
+        stale = self._is_stale(group.min_policy_version, self.policy_version)
+        return stale or any(e.times_sampled > 0 for e in self._entries.values())
 
     def insert_room(self) -> int:
         """Inserts the reuse limiter allows now (capacity aside); large when it is off."""
@@ -162,13 +179,29 @@ class ReplayBuffer:
             return True  # a full buffer cannot take inserts: the limiter must not block samples
         return self._limiter_diff - num_groups >= -self.tolerance
 
-    def sample(self, policy_version: int, num_groups: int) -> tuple[list[Group], list[Group]]:
-        """(exactly num_groups eligible groups or [], groups dropped as stale on the way)."""
+    def sample(
+        self, policy_version: int, num_groups: int, durable_lsn: float = math.inf
+    ) -> tuple[list[Group], list[Group]]:
+        """(exactly num_groups eligible groups or [], groups dropped as stale on the way);
+        only groups whose record is durable (lsn <= durable_lsn) are eligible."""
         assert num_groups >= 1
         dropped = self.drop_stale(policy_version)
         if not self.can_sample(num_groups):
             return [], dropped
-        chosen = self._choose(num_groups)
+        chosen = self._choose(num_groups, durable_lsn)
+        if chosen is None:
+            return [], dropped
+        self._hand_out(chosen)
+        return [entry.group for entry in chosen], dropped
+
+    def take(self, keys: list[tuple[str, int]]) -> list[Group]:
+        """Hand out exactly these stored groups, as `sample` did (replaying a recorded batch)."""
+        chosen = [self._entries[key] for key in keys]
+        self._hand_out(chosen)
+        return [entry.group for entry in chosen]
+
+    def _hand_out(self, chosen: list[_Entry]) -> None:
+        num_groups = len(chosen)
         for entry in chosen:
             if entry.times_sampled == 0:
                 self.num_consumed += 1
@@ -178,19 +211,62 @@ class ReplayBuffer:
                 self._remove(entry)
         self.num_sampled += num_groups
         self._limiter_diff -= num_groups
-        return [entry.group for entry in chosen], dropped
 
-    def _choose(self, num_groups: int) -> list[_Entry]:
+    def _choose(self, num_groups: int, durable_lsn: float) -> list[_Entry] | None:
+        """The groups a batch takes, or None while too few of them are durable."""
         if self.sampling == "fifo":
             it = iter(self._entries.values())
-            return [next(it) for _ in range(num_groups)]
-        chosen: list[_Entry] = []
+            chosen = [next(it) for _ in range(num_groups)]
+            return chosen if chosen[-1].lsn <= durable_lsn else None  # lsn grows in FIFO order
+        chosen = []
         for version in sorted(self._by_version, reverse=True):
             for entry in self._by_version[version].values():
-                chosen.append(entry)
+                if entry.lsn <= durable_lsn:
+                    chosen.append(entry)
                 if len(chosen) == num_groups:
                     return chosen
-        raise AssertionError("can_sample() said there were enough groups")
+        return None
+
+    # --- a learner that died, a learner that went back --------------------------------------
+
+    def give_back(self, groups: list[Group]) -> list[Group]:
+        """Undo one hand-out of each group (its batch was never trained on): eligible again,
+        ahead of every other group. Returns those already too stale, dropped instead."""
+        returned: dict[tuple[str, int], _Entry] = {}
+        dropped: list[Group] = []
+        for group in groups:
+            key = (group.actor_id, group.seq)
+            entry = self._entries.pop(key, None)
+            if entry is None:  # its last hand-out retired it: bring it back
+                entry = _Entry(key, group, group.min_policy_version, self.max_times_sampled)
+            entry.times_sampled -= 1
+            if entry.times_sampled == 0:
+                self.num_consumed -= 1
+                self.num_unsampled += 1
+            self.num_sampled -= 1
+            self._limiter_diff += 1
+            if self._is_stale(entry.min_version, self.policy_version):
+                self._settle(entry)
+                self.num_dropped_stale += 1
+                dropped.append(group)
+            else:
+                returned[key] = entry
+        self._entries = {**returned, **self._entries}
+        self._reindex()
+        return dropped
+
+    def rewind(self, policy_version: int, consumed_at_most: int) -> None:
+        """Go back to an older `policy_version` (the learner resumed from a checkpoint): its
+        steps since then are lost, so admission counts at most `consumed_at_most` groups as
+        consumed (the batches of the steps it still has)."""
+        assert 0 <= policy_version <= self.policy_version
+        self.policy_version = policy_version
+        self.num_consumed = min(self.num_consumed, consumed_at_most)
+
+    def _reindex(self) -> None:
+        self._by_version = {}
+        for key, entry in self._entries.items():
+            self._by_version.setdefault(entry.min_version, {})[key] = entry
 
     def _remove(self, entry: _Entry) -> None:
         del self._entries[entry.key]
@@ -219,6 +295,26 @@ class ReplayBuffer:
     def stored_groups(self) -> list[Group]:
         """Every stored group, in insertion order (for stats and tests)."""
         return [entry.group for entry in self._entries.values()]
+
+    # --- snapshot -------------------------------------------------------------------------------
+
+    _COUNTS = ("policy_version", "_limiter_diff", "num_inserted", "num_sampled", "num_consumed",
+               "num_unsampled", "num_dropped_stale", "num_duplicates", "num_evicted")  # fmt: skip
+
+    def export(self) -> tuple[dict[str, float], list[tuple[Group, int]]]:
+        """(counters, [(group, times_sampled)] in order): everything `restore` needs."""
+        counts = {name: getattr(self, name) for name in self._COUNTS}
+        return counts, [(e.group, e.times_sampled) for e in self._entries.values()]
+
+    def restore(self, counts: dict[str, float], entries: list[tuple[Group, int]]) -> None:
+        """The state `export` returned (into an empty buffer); every group is durable."""
+        assert not self._entries, "restore into an empty buffer"
+        for name in self._COUNTS:
+            setattr(self, name, type(getattr(self, name))(counts[name]))
+        for group, times_sampled in entries:
+            key = (group.actor_id, group.seq)
+            self._entries[key] = _Entry(key, group, group.min_policy_version, times_sampled)
+        self._reindex()
 
 
 def _check_limiter(rate: float, tolerance: float, batch: int, max_times_sampled: int) -> None:

@@ -1,9 +1,7 @@
-"""What the hub keeps per client: identity, role, liveness, the groups it has already delivered
-(dedup), the acknowledgements it is owed, and the messages its full pipe could not take yet.
-No clock; the one socket use is `Outbox`, which the hub's ROUTER sends through.
-
-Dedup: a client re-sends only groups it has not seen acknowledged, so the hub remembers the last
-`DEDUP_WINDOW` seqs per actor; a re-send of one of those is acknowledged again, not stored.
+"""What the hub keeps per connected client: identity, role, liveness, the acknowledgements it
+is owed, and the messages its full pipe could not take yet. No clock; the one socket use is
+`Outbox`, which the hub's ROUTER sends through. (Dedup by (actor_id, seq) outlives connections
+and hub processes, so it lives in replay/state.py.)
 
 Acks: the hub acknowledges a group once it is stored (or known), but sends the acks of one
 burst of received messages together, after the burst. A client that said `batched_acks` in its
@@ -23,8 +21,6 @@ import zmq
 from asyncrl.protocol import Ack, Hello, SampleRequest
 from asyncrl.transport import NOBLOCK, send_parts
 
-DEDUP_WINDOW = 65536  # seqs remembered per actor; a client re-sends only groups not yet acked
-
 
 @dataclass(eq=False)
 class Client:
@@ -37,21 +33,12 @@ class Client:
     last_seen: float
     batched_acks: bool = False
     loaded_version: int = -1
-    seen: set[int] = field(default_factory=set)  # seqs of groups already taken (dedup)
-    seen_order: collections.deque[int] = field(default_factory=collections.deque)
     owed: list[tuple[int, int]] = field(default_factory=list)  # (seq, credit_id) to ack
 
     @classmethod
     def from_hello(cls, identity: bytes, hello: Hello, now: float) -> Client:
         return cls(identity, hello.client_id, hello.role, hello.concurrency, now,
                    batched_acks=hello.batched_acks)  # fmt: skip
-
-    def remember(self, seq: int) -> None:
-        """A group with this seq was taken: a later copy of it is a duplicate."""
-        self.seen.add(seq)
-        self.seen_order.append(seq)
-        if len(self.seen_order) > DEDUP_WINDOW:
-            self.seen.discard(self.seen_order.popleft())
 
     def take_acks(self) -> list[Ack]:
         """The acks owed since the last call, as messages for this client."""

@@ -104,6 +104,26 @@ class PromptSource:
     def reissue_pending(self) -> int:
         return len(self._reissue)
 
+    def export(self) -> dict[str, Any]:
+        """The cursor, the re-issue queue and the attempt counts (`restore` takes it back)."""
+        return {"cursor": self._cursor, "epoch": self.epoch, "reissue": list(self._reissue),
+                "attempts": list(self._attempts.items()), "reissued": self.num_reissued}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if not 0 <= state["cursor"] < len(self.prompts):
+            raise ValueError("replay state: its dataset cursor is beyond this dataset")
+        self._cursor, self.epoch = state["cursor"], state["epoch"]
+        self._reissue = deque(state["reissue"])
+        self._attempts = dict(map(tuple, state["attempts"]))
+        self.num_reissued = state["reissued"]
+
+    def fingerprint(self) -> str:
+        """A hash of the prompt ids in order: a recovered state belongs to this dataset only."""
+        digest = hashlib.blake2b(digest_size=8)
+        for prompt in self.prompts:
+            digest.update(prompt.prompt_id.encode() + b"\0")
+        return digest.hexdigest()
+
 
 def credit_seed(run_seed: int, prompt_id: str, attempt: int) -> int:
     """A 31-bit seed, a pure function of (run seed, prompt id, attempt number)."""

@@ -26,6 +26,13 @@ held, a message from an unregistered routing id) is answered with `Error(code, f
 to its sender only, counted by code, logged at most once per sender per minute; everyone else
 keeps being served. A group for a credit of an earlier hub process (the hub restarted) is
 accepted as completed work; see asyncrl/hub_connection.py for the delivery rule.
+
+State and delivery (replay/state.py): dedup by (actor_id, seq) across connections and hub
+processes, batches lent to the learner until `BatchAck`. With `replay.durability = "durable"`
+every state change is logged (replay/durability.py); each loop turn ends with one group commit,
+and the turn's Acks and Batches leave only after it, so whatever was acknowledged survives a
+SIGKILL: a hub restarted on the same `replay.state_dir` recovers it and carries on, and the
+credits of clients that do not come back within heartbeat_timeout_s are re-issued.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import collections
 import gc
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -47,11 +55,12 @@ from typing import Any
 import zmq
 
 from asyncrl import auth
-from asyncrl.config import RunConfig, load_config
+from asyncrl.config import ReplayConfig, RunConfig, load_config
 from asyncrl.metrics import LiveMetrics
 from asyncrl.metrics import start as start_metrics
 from asyncrl.protocol import (
     Batch,
+    BatchAck,
     Bye,
     CreditReturn,
     Credits,
@@ -75,14 +84,16 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
 from replay import observer
-from replay.admission import CreditBook, generation_version, grant
-from replay.buffer import InsertResult, ReplayBuffer
+from replay.admission import generation_version, grant
+from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
+from replay.durability import Recovery, WriteAheadLog
 from replay.prompts import PromptSource, load_dataset
+from replay.state import HubState
 
 log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
-ROLE_OF[WeightsAnnounce] = "learner"
+ROLE_OF[WeightsAnnounce] = ROLE_OF[BatchAck] = "learner"
 ROLE_OF.update(observer.ROLE_OF)
 
 
@@ -92,15 +103,9 @@ class Hub:
     def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
                  allow_insecure: bool = False) -> None:  # fmt: skip
         self.cfg, rc = cfg, cfg.replay
-        self.buffer = ReplayBuffer(
-            capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
-            batch_groups=cfg.learner.groups_per_step, sampling=rc.sampling,
-            max_times_sampled=rc.max_times_sampled, samples_per_insert=rc.samples_per_insert,
-            tolerance=rc.samples_per_insert_tolerance,
-        )  # fmt: skip
         self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
-        self.prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
-        self.credits = CreditBook(self.prompts, incarnation=secrets.randbelow(2**30) + 1)
+        prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
+        self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context()
         self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None  # fmt: skip
@@ -109,24 +114,62 @@ class Hub:
         self.parked: collections.deque[Parked] = collections.deque()
         self.max_message_bytes = rc.max_message_bytes
         self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
-        self.counters: collections.Counter[str] = collections.Counter()
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.next_metrics = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
-        self.staleness_hist: collections.Counter[int] = collections.Counter()
-        self.dropped_since_batch = 0
+        self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
+        self.wal: WriteAheadLog | None = None
+        # (lsn, to, msg): an Ack or Batch sent once its records are durable
+        self.gated: collections.deque[tuple[int, bytes, Message]] = collections.deque()
+        self.recovery = Recovery()
+        self.orphans_at = 0.0  # when credits of clients that did not come back expire
+        if rc.durability == "durable":
+            self.open_state(rc)
         self.running = True
         self.handlers = {
             Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
             WeightsAnnounce: self.on_weights_announce, WeightsLoaded: self.on_weights_loaded,
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
-            StatsRequest: self.on_stats_request, Bye: self.on_bye,
+            StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
         }  # fmt: skip
         self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
 
+    def open_state(self, rc: ReplayConfig) -> None:
+        """Durable mode: recover the state from `rc.state_dir`, then log every change to it."""
+        if not rc.state_dir:
+            raise ValueError("replay.state_dir: durable mode needs a directory")
+        wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
+                            snapshot_log_bytes=rc.snapshot_log_bytes, background=True)  # fmt: skip
+        incarnation = self.state.credits.incarnation  # this process's, not the recovered one
+        found = wal.recover(self.state)
+        if found.ops or found.snapshot_groups:
+            self.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
+            state = self.state
+            log.info("recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
+                     "after the snapshot%s", rc.state_dir, len(state.buffer),
+                     sum(map(len, state.lent.values())), state.policy_version, found.ops,
+                     f"; skipped a bad tail ({found.reason})" if found.reason else "")  # fmt: skip
+        self.recovery = found
+        self.wal = wal
+        self.state.journal = wal.journal
+        self.state.begin(incarnation)
+        wal.commit()
+
     @property
     def policy_version(self) -> int:
-        return self.buffer.policy_version
+        return self.state.policy_version
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self.state.buffer
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        return self.state.counters
+
+    @property
+    def staleness_hist(self) -> collections.Counter[int]:
+        return self.state.staleness_hist
 
     # --- the main loop --------------------------------------------------------------------------
 
@@ -135,14 +178,20 @@ class Hub:
         tick_ms = int(min(self.cfg.replay.heartbeat_interval_s, 1.0) * 500)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        syncer = self.wal.syncer if self.wal is not None else None
+        if syncer is not None:  # a finished fsync wakes the loop: its acks may go
+            poller.register(syncer.wake_fd, zmq.POLLIN)
         try:
             while self.running:
-                poller.poll(tick_ms)  # wait for messages or the next tick
+                poller.poll(tick_ms)  # wait for messages, a finished fsync or the next tick
+                if syncer is not None:
+                    syncer.drain()
                 self.receive_all()  # handle every waiting message, then send their acks
                 self.outbox.flush()  # peers whose pipes were full
                 self.expire_dead_clients(time.monotonic())
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
+                self.commit()  # durable: the turn's records on disk, then its acks and batches
                 self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
                 self.obs.tick(time.monotonic())  # rates for status; evaluations due
         finally:
@@ -163,6 +212,8 @@ class Hub:
         self.running = False
 
     def close(self) -> None:
+        if self.wal is not None:
+            self.wal.close()
         self.sock.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
@@ -181,7 +232,7 @@ class Hub:
                 break
             handle(frames[0].bytes, frames[1:])
         for identity, ack in self.clients.acks_due():
-            self.send(identity, ack)
+            self.send_committed(identity, ack)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Decode one message and run its handler; any refusal becomes an Error reply."""
@@ -229,11 +280,18 @@ class Hub:
         if old is not None:  # a new session under the same routing id ends the old one
             self.drop_client(old, "replaced")
         self.clients.add(identity, msg, time.monotonic())
+        next_seq = 0
+        if msg.role == "actor":
+            next_seq = self.state.actor_hello(identity, msg.client_id, msg.session)
+        elif msg.role == "learner":
+            returned = self.state.learner_hello(msg.session, msg.acks_batches)
+            if returned:
+                log.info("learner session %d: %d lent groups back in replay", msg.session, returned)  # fmt: skip
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         rc = self.cfg.replay
         self.send(identity, Welcome(client_id=msg.client_id, policy_version=self.policy_version,
                                     heartbeat_interval_s=rc.heartbeat_interval_s,
-                                    max_staleness=rc.max_staleness))  # fmt: skip
+                                    max_staleness=rc.max_staleness, next_seq=next_seq))  # fmt: skip
 
     def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
         counters = self.counters
@@ -243,38 +301,20 @@ class Hub:
                 "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
             )
         seq, credit_id = g.seq, g.credit_id
-        if seq in client.seen:  # a re-send of a group already taken: ack again, store once
-            counters["groups_duplicate"] += 1
+        if self.state.is_resend(g.actor_id, seq):  # taken before: ack again, store once
+            self.state.resend(g.actor_id, seq)
             return self.clients.owe_ack(client, seq, credit_id)
-        current = self.credits.is_current(credit_id)
-        if current and not self.credits.holds(client.identity, credit_id):
-            raise ProtocolError(
-                "credit_id", f"credit {credit_id} is not held by this actor", "unknown_credit"
-            )
-        result = self.buffer.insert(g)
-        if result is InsertResult.FULL:
-            raise ProtocolError(
-                "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
-            )
-        if current:
-            self.credits.spend(client.identity, credit_id)
-        else:
-            counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
-        if result is InsertResult.STORED:
-            counters["groups_stored"] += 1
-        elif result is InsertResult.STALE:
-            self.dropped([g])
-        client.remember(seq)
+        self.state.store(client.identity, g, frames)  # a refusal raises ProtocolError
         self.clients.owe_ack(client, seq, credit_id)  # acked at the end of the burst
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
             raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")  # fmt: skip
-        self.adopt_version(msg.policy_version)
+        self.state.adopt_version(msg.policy_version, rewind=True)
         self.parked.append(Parked(client.identity, msg, time.monotonic()))
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
-        self.adopt_version(msg.policy_version)
+        self.state.adopt_version(msg.policy_version, rewind=True)
         actors = sorted(c.client_id for c in self.clients.actors())
         self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=actors))
 
@@ -288,12 +328,15 @@ class Hub:
 
     def on_heartbeat(self, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
         if client.role == "learner":  # a restarted hub learns the learner's version from it
-            self.adopt_version(msg.policy_version)
+            self.state.adopt_version(msg.policy_version)
         elif client.role == "actor":
             client.loaded_version = max(client.loaded_version, msg.policy_version)
 
     def on_credit_return(self, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
-        self.credits.give_back(client.identity, msg.credit_ids)
+        self.state.give_back(client.identity, msg.credit_ids)
+
+    def on_batch_ack(self, client: Client, msg: BatchAck, frames: list[Any]) -> None:
+        self.state.trained(msg.request_id)
 
     def on_stats_request(self, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
         self.send(client.identity, Stats(stats=self.stats()))
@@ -303,20 +346,9 @@ class Hub:
 
     # --- state changes --------------------------------------------------------------------------
 
-    def adopt_version(self, policy_version: int) -> None:
-        """The learner's version only moves forward; groups now too stale are dropped."""
-        if policy_version > self.policy_version:
-            self.dropped(self.buffer.drop_stale(policy_version))
-
-    def dropped(self, groups: list[Group]) -> None:
-        for g in groups:
-            self.prompts.reissue(g.prompt_id)
-        self.counters["groups_dropped_stale"] += len(groups)
-        self.dropped_since_batch += len(groups)
-
     def drop_client(self, client: Client, why: str) -> None:
         """A client left or died: its credits expire and their prompts are re-issued."""
-        expired = self.credits.expire(client.identity)
+        expired = self.state.expire(client.identity)
         self.clients.remove(client, why)
         self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
         self.outbox.forget(client.identity)
@@ -326,6 +358,12 @@ class Hub:
         timeout = self.cfg.replay.heartbeat_timeout_s
         for client in self.clients.silent(now, timeout):
             self.drop_client(client, f"silent for more than {timeout} s")
+        if self.orphans_at and now >= self.orphans_at:  # recovered credits nobody came back for
+            self.orphans_at = 0.0
+            for holder in self.state.credits.holders():
+                if self.clients.get(holder) is None:
+                    expired = self.state.expire(holder)
+                    log.info("%r did not come back after recovery; %d credits re-issued", holder, expired)  # fmt: skip
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each.
@@ -336,60 +374,94 @@ class Hub:
         if self.obs.paused:  # an alarm or an operator paused the actors
             return
         actors = list(self.clients.actors())
-        free = {c.identity: c.concurrency - self.credits.held_by(c.identity) for c in actors}
+        credits = self.state.credits
+        free = {c.identity: c.concurrency - credits.held_by(c.identity) for c in actors}
         if not any(n > 0 for n in free.values()):
             return
         versions = {c.identity: generation_version(self.policy_version, c.loaded_version)
                     for c in actors}  # fmt: skip
         rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
-        plan = grant(self.buffer, self.credits.outstanding, rc.max_staleness, steps, free, versions)
+        plan = grant(self.buffer, credits.outstanding, rc.max_staleness, steps, free, versions)
         for identity, n in plan.items():
-            items = tuple(self.credits.issue(identity, n))
+            items = tuple(self.state.issue(identity, n))
             self.send(identity, Credits(group_size=self.cfg.actor.group_size,
                                         policy_version=self.policy_version, items=items))  # fmt: skip
 
     def serve_parked(self) -> None:
         """Answer parked sample requests in arrival order while enough eligible groups exist."""
         while self.parked:
-            parked = self.parked[0]
-            groups, dropped = self.buffer.sample(self.policy_version, parked.request.num_groups)
-            self.dropped(dropped)
+            parked, state = self.parked[0], self.state
+            dropped_stale = state.dropped_since_batch
+            request = parked.request
+            groups = state.hand_out(request.request_id, request.num_groups, self.durable_lsn)
             if not groups:
                 return
             self.parked.popleft()
-            self.counters["groups_consumed"] += len(groups)
-            for g in groups:
-                self.staleness_hist[self.policy_version - g.min_policy_version] += 1
-            batch = Batch(request_id=parked.request.request_id, policy_version=self.policy_version,
-                          groups=tuple(groups), dropped_stale=self.dropped_since_batch,
+            batch = Batch(request_id=request.request_id, policy_version=self.policy_version,
+                          groups=tuple(groups), dropped_stale=dropped_stale,
                           wait_s=time.monotonic() - parked.since)  # fmt: skip
-            self.dropped_since_batch = 0
-            self.send(parked.identity, batch)
+            self.send_committed(parked.identity, batch)
 
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: Message) -> None:
         self.outbox.send(identity, encode(msg))
 
+    def send_committed(self, identity: bytes, msg: Message) -> None:
+        """Send a message that promises state (an Ack, a Batch): in durable mode only after the
+        records of this loop turn are written (`commit`)."""
+        if self.wal is None:
+            self.send(identity, msg)
+        else:
+            self.gated.append((self.wal.lsn, identity, msg))
+
+    def commit(self) -> None:
+        """Group commit (durable mode): write the turn's records and have them fsynced (on the
+        syncer thread), release the messages whose records are durable by now; snapshot when
+        the log has grown long."""
+        if self.wal is None:
+            return
+        durable = self.wal.commit()
+        gated = self.gated
+        while gated and gated[0][0] <= durable:
+            _, identity, msg = gated.popleft()
+            self.send(identity, msg)
+        if self.wal.due_for_snapshot():
+            self.wal.snapshot(self.state)
+
+    def durability_stats(self) -> dict[str, Any]:
+        wal, found = self.wal, self.recovery
+        if wal is None:
+            return {"mode": "volatile"}
+        return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
+                "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
+                "recovered_snapshot_groups": found.snapshot_groups,
+                "recovery_skipped_bytes": found.skipped_bytes}  # fmt: skip
+
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
-        clients = self.clients.describe(self.credits.held_by, time.monotonic())
-        counted = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                   "groups_duplicate", "groups_adopted", "weights_announced")  # fmt: skip
-        book = self.credits
+        state = self.state
+        clients = self.clients.describe(state.credits.held_by, time.monotonic())
+        book, prompts = state.credits, state.prompts
+        lent = sum(map(len, state.lent.values()))
         return {
-            **{k: self.counters[k] for k in counted}, "sends_dropped": self.outbox.dropped,
+            **{k: self.counters[k] for k in COUNTED}, "sends_dropped": self.outbox.dropped,
             "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
             "credits_expired": book.num_expired, "credits_returned": book.num_returned,
             "policy_version": self.policy_version, "stored": len(self.buffer),
             "parked_requests": len(self.parked), "errors": dict(self.errors), "clients": clients,
-            "dataset_epoch": self.prompts.epoch, "prompts_reissued": self.prompts.num_reissued,
-            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
+            "groups_lent": lent, "durability": self.durability_stats(),
+            "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
         }  # fmt: skip
 
 
+COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+           "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
+           "weights_announced")  # fmt: skip
 HUB_COUNTERS = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                "groups_duplicate", "groups_adopted", "weights_announced", "sends_dropped",
+                "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
+                "weights_announced", "sends_dropped",
                 "credits_issued", "credits_expired", "credits_returned", "prompts_reissued")  # fmt: skip
 """Hub statistics that only grow (exported as Prometheus counters)."""
 

@@ -21,6 +21,7 @@ from asyncrl.protocol import (
     Ack,
     AlarmRaised,
     Batch,
+    BatchAck,
     Bye,
     Control,
     CreditItem,
@@ -239,6 +240,7 @@ def _golden_messages() -> list[Any]:
         Stats(stats={"groups_received": 3}),
         Error(code="bad_message", field="tokens", detail="must be int32"),
         Bye(client_id="a", reason="done"),
+        BatchAck(request_id=9),
         StatusRequest(),
         Status(status={"policy_version": 4, "paused": ""}),
         AlarmRaised(
@@ -407,6 +409,7 @@ GOLDEN = {
             "636f6c01"
         ),
     ],
+    "BatchAck": ["83aa726571756573745f696409a474797065a8426174636841636ba870726f746f636f6c01"],
     "StatusRequest": [
         ("82a474797065ad53746174757352657175657374a870726f746f636f6c01"),
     ],
@@ -466,6 +469,39 @@ GOLDEN = {
         "0000003f0000a0bf",
     ],
 }
+
+# Messages with appended delivery fields set (at their defaults they stay off the wire, above).
+GOLDEN_DELIVERY = [
+    (
+        Hello(
+            role="learner",
+            client_id="l",
+            protocol_version=1,
+            config_hash="abcd",
+            batched_acks=True,
+            session=12345,
+            acks_batches=True,
+        ),
+        "8aa4726f6c65a76c6561726e6572a9636c69656e745f6964a16cb070726f746f636f6c5f76657273696f6e"
+        "01ab636f6e6669675f68617368a461626364ab636f6e63757272656e637900ac626174636865645f61636b"
+        "73c3a773657373696f6ecd3039ac61636b735f62617463686573c3a474797065a548656c6c6fa870726f74"
+        "6f636f6c01",
+    ),
+    (
+        Welcome(
+            client_id="a", policy_version=3, heartbeat_interval_s=1.0, max_staleness=4, next_seq=17
+        ),
+        "87a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e03b46865617274626561745f696e74"
+        "657276616c5f73cb3ff0000000000000ad6d61785f7374616c656e65737304a86e6578745f73657111a474"
+        "797065a757656c636f6d65a870726f746f636f6c01",
+    ),
+]
+
+
+@pytest.mark.parametrize("msg, golden", GOLDEN_DELIVERY, ids=["Hello", "Welcome"])
+def test_golden_bytes_of_delivery_fields(msg: Any, golden: str) -> None:
+    assert [frame.hex() for frame in wire(msg)] == [golden]
+    assert same(decode([bytes.fromhex(golden)]), msg)
 
 
 def test_every_message_type_has_golden_bytes() -> None:
@@ -627,6 +663,8 @@ def test_appended_fields_stay_off_the_wire_at_their_default() -> None:
     hello = GOLDEN_MESSAGES["Hello"]
     assert "batched_acks" not in header(hello) and decode(wire(hello)).batched_acks is False
     assert header(dataclasses.replace(hello, batched_acks=True))["batched_acks"] is True
+    assert "session" not in header(hello) and "acks_batches" not in header(hello)
+    assert "next_seq" not in header(GOLDEN_MESSAGES["Welcome"])
     error = GOLDEN_MESSAGES["Error"]
     assert "request_id" not in header(error) and decode(wire(error)).request_id == -1
     refused = dataclasses.replace(error, request_id=12)
