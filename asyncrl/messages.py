@@ -336,6 +336,8 @@ class Members:
     TYPE: ClassVar[str] = "Members"
     policy_version: int
     actor_ids: list[str]
+    # each actor's session (Hello.session), so a restarted actor under the same id shows up
+    sessions: list[int] = _appended(factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -107,6 +107,7 @@ class Learner:
         self.members: list[str] = []
         self.published_to: list[str] = []  # the members of the last publication
         self.members_changed = False
+        self.member_sessions: list[int] = []  # a new session = a restarted actor: publish again
         self.stop_event = threading.Event()
         self.start_time = time.time()
         self.plan = plan
@@ -221,7 +222,7 @@ class Learner:
         while time.monotonic() < deadline:
             msg = self.conn.recv(timeout_s=0.2)
             if isinstance(msg, Members):
-                self.members = sorted(msg.actor_ids)
+                self.members, self.member_sessions = list(msg.actor_ids), list(msg.sessions)
                 self.members_changed = False  # the publication that follows includes them
                 return
             self.handle_other(msg)
@@ -280,9 +281,10 @@ class Learner:
 
     def handle_other(self, msg: Any) -> None:
         if isinstance(msg, Members):
-            members = sorted(msg.actor_ids)
-            self.members_changed = self.members_changed or members != self.members
-            self.members = members
+            members, sessions = list(msg.actor_ids), list(msg.sessions)
+            changed = members != self.members or sessions != self.member_sessions
+            self.members_changed = self.members_changed or changed
+            self.members, self.member_sessions = members, sessions
         elif isinstance(msg, Error):
             raise RuntimeError(
                 f"hub refused a learner message: {msg.code} {msg.field}: {msg.detail}"

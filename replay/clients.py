@@ -33,12 +33,13 @@ class Client:
     last_seen: float
     batched_acks: bool = False
     loaded_version: int = -1
+    session: int = 0  # Hello.session: a new one under the same client id = a restarted client
     owed: list[tuple[int, int]] = field(default_factory=list)  # (seq, credit_id) to ack
 
     @classmethod
     def from_hello(cls, identity: bytes, hello: Hello, now: float) -> Client:
         return cls(identity, hello.client_id, hello.role, hello.concurrency, now,
-                   batched_acks=hello.batched_acks)  # fmt: skip
+                   batched_acks=hello.batched_acks, session=hello.session)  # fmt: skip
 
     def take_acks(self) -> list[Ack]:
         """The acks owed since the last call, as messages for this client."""

@@ -315,8 +315,14 @@ class Hub:
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
         self.state.adopt_version(msg.policy_version, rewind=True)
-        actors = sorted(c.client_id for c in self.clients.actors())
-        self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=actors))
+        newest: dict[str, Client] = {}  # an actor restarted under its id: its newest session
+        for actor in self.clients.actors():
+            seen = newest.get(actor.client_id)
+            if seen is None or actor.last_seen >= seen.last_seen:
+                newest[actor.client_id] = actor
+        ids = sorted(newest)
+        self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=ids,
+                                           sessions=[newest[i].session for i in ids]))  # fmt: skip
 
     def on_weights_announce(self, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
         self.counters["weights_announced"] += 1

@@ -54,10 +54,16 @@ def test_run_restarts_a_killed_hub_actor_and_learner(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=max(10.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()  # by pid: asyncrl run stops its children (by pid) on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out and "run ended: the learner finished" in out
+    actor = json.loads((run_dir / "actor-0.json").read_text())
+    assert actor["policy_version"] == STEPS  # the restarted actor was sent the learner's weights
     for name in killed:
         assert f"run: {name} exited with code -9; restart 1 of" in out
     summary = json.loads((run_dir / "summary.json").read_text())
