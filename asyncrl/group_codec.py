@@ -83,10 +83,12 @@ def decode_group(
     if rewards is None or extras is None or episode is None or components is None:
         return None
     spans = data["version_spans"] if "version_spans" in data else []
-    if spans and (type(spans) is not list or set(map(type, spans)) != _INT):
-        return None
-    if spans_problem(spans, lo, hi, [a - b for a, b in zip(seq_lens, prompt_lens, strict=True)]):
-        return None
+    if spans and (
+        type(spans) is not list
+        or set(map(type, spans)) != _INT
+        or spans_problem(spans, lo, hi, list(map(int.__sub__, seq_lens, prompt_lens)))
+    ):
+        return None  # only groups that record versions pay for the check
     num_tokens = sum(seq_lens)
     arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
     if arrays is None or (values and not _values_ok(*arrays)):
