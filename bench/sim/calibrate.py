@@ -25,6 +25,9 @@ measured run per staleness bound. Numbers may be plain or `{"median": x, "min": 
       steps                    optional: learner steps of the run (with dropped_stale: the
                                actor's rounds, for its time outside generation)
       dropped_stale            optional: groups dropped as stale over the run
+      config.actor.weight_update  optional: between_groups (default) or in_flight
+      inflight_updates         optional: weight loads that paused generation over the run
+      inflight_pause_s         optional: seconds one such pause took (load + KV recompute)
       generation_batches       optional: [[seqs, max_len, total_tokens, seconds], ...] per batch
       step_records             optional: [[tokens, seconds], ...] per learner step
       step_time_quantiles      optional: equally spaced quantiles of the learner step times
@@ -38,6 +41,9 @@ Free parameters, fitted by non-negative least squares on relative errors:
 - learner: overhead_s and token_s of `timing.LearnerTime` (world from the config), per loss
   (the losses do different work per step);
 - weight sync: the measured mean `sync_s` as one constant per publication;
+- in-flight pause: the mean measured `inflight_pause_s` of the in-flight points that had
+  updates (their `generate_time_s` includes the pauses, which come off it first: the model
+  adds them back where weights land mid-batch);
 - message latency (`SimConfig.message_latency_s`), from the η = 0 points alone: there every
   hand-off is on the critical path and generation and training never overlap, so a step's
   mean period is the sum of the mean times plus latency × the hops of one cycle, whatever the
@@ -115,6 +121,8 @@ class Point:
     actor_outside_s: float
     mean_staleness: float | None
     dropped_per_step: float | None
+    inflight_updates: float = 0.0
+    inflight_pause_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,8 @@ class Calibration:
     """Per loss."""
     sync_s: float
     message_latency_s: float
+    inflight_pause_s: float
+    """Mean pause of one in-flight update over the in-flight points with updates (0 without)."""
     latency_fit: dict[str, Any]
     """How the latency was found: per η = 0 point its estimate and the hops per step."""
     generation_fit_rel_err: list[float]
@@ -185,11 +195,14 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
     actor_wait = _num(raw, "actor_wait_fraction", where)
     generate_s = _num(raw, "generate_time_s", where)
     actor_outside = 0.0
+    updates = _num(raw, "inflight_updates", where, 0.0)
+    pause = _num(raw, "inflight_pause_s", where, 0.0)
     if isinstance(raw.get("steps"), (int, float)) and raw["steps"] > 1:
         n = float(raw["steps"])
         dropped = _num(raw, "dropped_stale", where, 0.0)
         rounds = (n * cfg.learner.groups_per_step + dropped) / cfg.actor.concurrency
         actor_outside = max(0.0, (1 - actor_wait) * n * period / rounds - generate_s)
+        generate_s = max(1e-9, generate_s - updates * pause / rounds)  # the pauses come off
     return Point(
         cfg=cfg,
         max_staleness=eta,
@@ -214,6 +227,8 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
         dropped_per_step=_num(raw, "dropped_stale", where) / float(raw["steps"])
         if isinstance(raw.get("steps"), (int, float)) and "dropped_stale" in raw
         else None,
+        inflight_updates=updates,
+        inflight_pause_s=pause,
     )
 
 
@@ -341,6 +356,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
         learner=learner,
         sync=WeightSync(num_buckets=1, bucket_latency_s=sync_s),
         message_latency_s=cal.message_latency_s,
+        inflight_pause_s=point.inflight_pause_s if own_times else cal.inflight_pause_s,
     )
 
 
@@ -380,8 +396,10 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
         for i, e in zip(idx, errs, strict=True):
             step_errs[i] = e
     sync_s = float(np.mean([p.sync_s for p in points]))
+    pauses = [p.inflight_pause_s for p in points if p.inflight_updates > 0]
     cal = Calibration(
-        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0, latency_fit={},
+        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0,
+        inflight_pause_s=float(np.mean(pauses)) if pauses else 0.0, latency_fit={},
         generation_fit_rel_err=gen_errs, step_fit_rel_err=step_errs, points=[],
     )  # fmt: skip
     latency, how = fit_latency(points, cal, num_steps, warmup_steps, spread)
@@ -412,6 +430,7 @@ def _compare(p: Point, sim: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "max_staleness": p.max_staleness,
         "loss": p.loss,
+        "weight_update": p.cfg.actor.weight_update,
         "measured": {
             "samples_per_s": p.samples_per_s,
             "learner_wait_fraction": p.learner_wait_fraction,
