@@ -3,6 +3,7 @@
     python bench/staleness.py [--config configs/tiny_cpu.toml] [--etas 0,1,2,4,8]
                               [--losses decoupled_ppo,ppo] [--seeds 1] [--budget-s 120]
                               [--modes between_groups,in_flight] [--keep-runs DIR]
+                              [--summarise JSON]
     asyncrl bench staleness ...                       (the same, from the repository root)
 
 For every (loss, η, seed) point it runs `asyncrl run` (hub, actors, learner as processes) for
@@ -27,7 +28,12 @@ between-groups updates at η = 4; medians over seeds, and per seed) and `by_mode
 loss's figures per mode and η). `final_reward_eta8_minus_eta0` is bench/results/stability.json's
 when that file exists (the losses' own bench), else this sweep's (first loss, between-groups,
 median of seeds) whenever η = 0 and η = 8 are; `final_reward_eta8_minus_eta0_from` says which.
-`--keep-runs DIR` keeps every point's run directory (metrics.jsonl, actor-*.json) for a look.
+`--keep-runs DIR` keeps every point's run directory (metrics.jsonl, actor-*.json) for a look;
+`--summarise JSON` recomputes the top-level figures and plots from an earlier result's points.
+Every point is bound by the learner on the embedded task (it hardly waits for data), so beside
+samples/s the JSON gives the learner's share of wall time spent in optimizer steps
+(`learner_train_fraction`) and the in-flight ratio of it, which divides out how fast the shared
+machine happened to be during each point.
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ def measure(
         "dropped_stale": sum(int(r["dropped_stale"]) for r in rows),
         "sync_s": statistics.fmean(r["weight_sync_s"] for r in train),
         "step_time_s": statistics.fmean(r["step_s"] for r in train),
+        "learner_train_fraction": sum(r["step_s"] for r in train) / span,
         # the spread of both sides' times, as 101 quantiles (seconds), for the simulator
         "step_time_quantiles": time_quantiles([r["step_s"] for r in train]),
         "generate_time_quantiles": time_quantiles([s for a in actors for s in a.get("round_generate_s", ())]),
@@ -230,29 +237,39 @@ def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_d
     plt.close(fig)
 
 
-MODE_KEYS = ("samples_per_s", "actor_wait_fraction", "learner_wait_fraction",
+MODE_KEYS = ("samples_per_s", "actor_wait_fraction", "learner_wait_fraction", "learner_train_fraction",
              "tokens_per_weight_version", "dropped_stale", "inflight_updates",
              "inflight_pause_s", "final_reward")  # fmt: skip
 """Per (mode, η) of the first loss in `by_mode`, median/min/max over seeds."""
 
 
 def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
-              modes: list[str]) -> dict[str, Any]:  # fmt: skip
+              modes: list[str], samples_per_step: int) -> dict[str, Any]:  # fmt: skip
     """The top-level figures: speed-ups, the in-flight ratio (of medians, and per seed, each
     pair run back to back), reward differences and the per-mode tables."""
     first = losses[0]
     base, fast = by(points, first, 0, "samples_per_s"), by(points, first, 4, "samples_per_s")
-    between = [q for q in points if q["weight_update"] == "between_groups"]
+    between = [q for q in points if q.get("weight_update", "between_groups") == "between_groups"]
 
     def table(pts: list[dict[str, Any]], loss: str, key: str) -> dict[str, Any]:
-        return {str(e): spread([q[key] for q in pts if q["loss"] == loss
-                                and q["max_staleness"] == e]) for e in etas}  # fmt: skip
+        cells = {str(e): [q[key] for q in pts if q["loss"] == loss and q["max_staleness"] == e
+                          and q.get(key) is not None] for e in etas}  # fmt: skip
+        return {e: spread(values) if values else None for e, values in cells.items()}
 
-    per_seed = []
-    for seed in sorted({q["seed"] for q in points}):
-        mine = [q for q in points if q["seed"] == seed]
-        per_seed.append(_ratio(by(mine, first, 1, "samples_per_s", "in_flight"),
-                               by(mine, first, 4, "samples_per_s")))  # fmt: skip
+    for q in points:  # points of sweeps before this field: from their mean step time
+        window = (q["steps"] - 1) * samples_per_step / q["samples_per_s"]
+        q.setdefault("learner_train_fraction", q["step_time_s"] * (q["steps"] - 1) / window)
+
+    def pair(mine: list[dict[str, Any]], key: str) -> float | None:
+        return _ratio(by(mine, first, 1, key, "in_flight"), by(mine, first, 4, key))
+
+    seeds = sorted({q["seed"] for q in points})
+    per_seed = [pair([q for q in points if q["seed"] == seed], "samples_per_s") for seed in seeds]
+    # the learner bounds every point (it hardly waits), so its share of wall time spent in
+    # optimizer steps is samples/s with the machine's speed divided out: a ratio that load
+    # from other work on the cores changes much less than samples/s
+    trains = [pair([q for q in points if q["seed"] == seed], "learner_train_fraction")
+              for seed in seeds]  # fmt: skip
     return {
         "speedup_eta4_vs_eta0": _ratio(fast, base),
         "speedup_loss": first,
@@ -260,6 +277,10 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
             by(points, first, 1, "samples_per_s", "in_flight"), fast
         ),
         "inflight_eta1_over_between_eta4_per_seed": [r for r in per_seed if r is not None],
+        "inflight_eta1_over_between_eta4_train_fraction": pair(points, "learner_train_fraction"),
+        "inflight_eta1_over_between_eta4_train_fraction_per_seed": [
+            r for r in trains if r is not None
+        ],
         "final_reward_inflight_eta1_minus_between_eta0": _difference(
             by(points, first, 1, "final_reward", "in_flight"), by(points, first, 0, "final_reward")
         ),
@@ -268,7 +289,11 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
         "final_reward_by_eta": {loss: table(between, loss, "final_reward") for loss in losses},
         "by_mode": {
             mode: {
-                key: table([q for q in points if q["weight_update"] == mode], first, key)
+                key: table(
+                    [q for q in points if q.get("weight_update", "between_groups") == mode],
+                    first,
+                    key,
+                )
                 for key in MODE_KEYS
             }
             for mode in modes
@@ -313,7 +338,12 @@ def main() -> None:
     p.add_argument("--modes", default="between_groups", help="actor.weight_update values")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "staleness.json"))
     p.add_argument("--keep-runs", default="", help="keep every point's run directory under here")
+    p.add_argument("--summarise", default="", metavar="JSON",
+                   help="no runs: summarise and plot the points of an earlier result again")  # fmt: skip
     args = p.parse_args()
+    if args.summarise:
+        resummarise(Path(args.summarise), Path(args.out))
+        return
     cfg = load_config(args.config, args.set)
     etas = [int(x) for x in args.etas.split(",")]
     losses = args.losses.split(",")
@@ -329,7 +359,7 @@ def main() -> None:
         "config": cfg.to_dict(),
         "environment": environment(),
         "budget_s": args.budget_s,
-        **summarise(points, losses, etas, modes),
+        **summarise(points, losses, etas, modes, cfg.samples_per_step),
         "points": points,
     }
     write_json(out, result)
@@ -337,6 +367,23 @@ def main() -> None:
     print(f"speedup η=4 vs η=0 ({losses[0]}): {result['speedup_eta4_vs_eta0']}; in-flight η=1 "
           f"over between-groups η=4: {result['inflight_eta1_over_between_eta4']}; wrote {out}",
           flush=True)  # fmt: skip
+
+
+def resummarise(src: Path, out: Path) -> None:
+    """The top-level figures and plots of `src`'s points again (with this file's summary code),
+    written to `out`; the runs' own command stays, this one is added as `summarised_by`."""
+    data = json.loads(src.read_text())
+    points = data["points"]
+    losses = list(dict.fromkeys(q["loss"] for q in points))
+    etas = list(dict.fromkeys(q["max_staleness"] for q in points))
+    modes = list(dict.fromkeys(q.get("weight_update", "between_groups") for q in points))
+    per_step = data["config"]["learner"]["groups_per_step"] * data["config"]["actor"]["group_size"]
+    data.update(summarise(points, losses, etas, modes, per_step))
+    data["summarised_by"] = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
+    write_json(out, data)
+    plot(points, losses, etas, out.parent, modes)
+    print(f"in-flight η=1 over between-groups η=4: {data['inflight_eta1_over_between_eta4']}, "
+          f"learner training share: {data['inflight_eta1_over_between_eta4_train_fraction']}")  # fmt: skip
 
 
 def sweep(cfg: RunConfig, losses: list[str], etas: list[int], modes: list[str], seeds: int,
