@@ -32,8 +32,10 @@ median of seeds) whenever η = 0 and η = 8 are; `final_reward_eta8_minus_eta0_f
 `--summarise JSON` recomputes the top-level figures and plots from an earlier result's points.
 Every point is bound by the learner on the embedded task (it hardly waits for data), so beside
 samples/s the JSON gives the learner's share of wall time spent in optimizer steps
-(`learner_train_fraction`) and the in-flight ratio of it, which divides out how fast the shared
-machine happened to be during each point.
+(`learner_train_fraction`), each process's CPU per learner step and share of a core, and the
+samples trained per CPU second of all of them (`cpu`, `samples_per_cpu_s`; bench/cpu_sampler.py),
+with the in-flight ratio of each: these divide out how much CPU the shared machine happened to
+give each point.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_common import environment, spread, write_json  # noqa: E402
+from cpu_sampler import CpuSampler  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.run import read_metrics, run  # noqa: E402
@@ -77,7 +80,8 @@ def run_point(
         learner=dataclasses.replace(cfg.learner, max_steps=1_000_000),
         actor=dataclasses.replace(cfg.actor, weight_update=mode),
     )
-    summary = run(point_cfg, run_dir, quiet=True)
+    with CpuSampler(run_dir) as cpu:
+        summary = run(point_cfg, run_dir, quiet=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
     if len(rows) < 3:
         raise RuntimeError(
@@ -89,6 +93,9 @@ def run_point(
     point["weight_update"] = mode
     point["config"] = {"actor": {"weight_update": mode}}  # for bench/sim/calibrate.py
     point["loadavg"] = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min, at the end
+    point["cpu"] = cpu.summary(rows)  # per process CPU per step and share; samples per CPU s
+    if point["cpu"] is not None:
+        point["samples_per_cpu_s"] = point["cpu"]["samples_per_cpu_s"]
     return point
 
 
@@ -186,7 +193,8 @@ def reward_at(points: list[dict[str, Any]]) -> None:
 def by(points: list[dict[str, Any]], loss: str, eta: int, key: str,
        mode: str = "between_groups") -> float | None:  # fmt: skip
     values = [p[key] for p in points if p["loss"] == loss and p["max_staleness"] == eta
-              and p.get("weight_update", "between_groups") == mode]  # fmt: skip
+              and p.get("weight_update", "between_groups") == mode
+              and p.get(key) is not None]  # fmt: skip
     return statistics.median(values) if values else None
 
 
@@ -237,7 +245,8 @@ def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_d
     plt.close(fig)
 
 
-MODE_KEYS = ("samples_per_s", "actor_wait_fraction", "learner_wait_fraction", "learner_train_fraction",
+MODE_KEYS = ("samples_per_s", "samples_per_cpu_s", "actor_wait_fraction", "learner_wait_fraction",
+             "learner_train_fraction",
              "tokens_per_weight_version", "dropped_stale", "inflight_updates",
              "inflight_pause_s", "final_reward")  # fmt: skip
 """Per (mode, η) of the first loss in `by_mode`, median/min/max over seeds."""
@@ -278,6 +287,7 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
         ),
         "inflight_eta1_over_between_eta4_per_seed": [r for r in per_seed if r is not None],
         "inflight_eta1_over_between_eta4_train_fraction": pair(points, "learner_train_fraction"),
+        "inflight_eta1_over_between_eta4_per_cpu_s": pair(points, "samples_per_cpu_s"),
         "inflight_eta1_over_between_eta4_train_fraction_per_seed": [
             r for r in trains if r is not None
         ],
