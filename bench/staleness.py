@@ -265,6 +265,8 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
                           and q.get(key) is not None] for e in etas}  # fmt: skip
         return {e: spread(values) if values else None for e, values in cells.items()}
 
+    for q in points:
+        q["reward_at_fixed_steps_value"] = q["reward_at_fixed_steps"]["reward"]
     for q in points:  # points of sweeps before this field: from their mean step time
         window = (q["steps"] - 1) * samples_per_step / q["samples_per_s"]
         q.setdefault("learner_train_fraction", q["step_time_s"] * (q["steps"] - 1) / window)
@@ -293,6 +295,11 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
         ],
         "final_reward_inflight_eta1_minus_between_eta0": _difference(
             by(points, first, 1, "final_reward", "in_flight"), by(points, first, 0, "final_reward")
+        ),
+        # the same at the step count every point reached: learning per sample, not per second
+        "final_reward_inflight_eta1_minus_between_eta0_at_fixed_steps": _difference(
+            by(points, first, 1, "reward_at_fixed_steps_value", "in_flight"),
+            by(points, first, 0, "reward_at_fixed_steps_value"),
         ),
         **eta8_minus_eta0(points, first),
         "samples_per_s_by_eta": {loss: table(between, loss, "samples_per_s") for loss in losses},

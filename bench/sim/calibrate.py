@@ -57,7 +57,9 @@ Free parameters, fitted by non-negative least squares on relative errors:
 Two times are not fitted but read off each point's own clock and averaged:
 - the learner's time per step outside its optimizer step and its wait for data (weight
   snapshot for the publication, the Version message, the metrics log):
-  S / samples_per_s · (1 - learner_wait_fraction) - step_time_s, per loss;
+  S / samples_per_s · (1 - learner_wait_fraction) - step_time_s, per loss; it is simulated
+  after the step's publication (`LearnerTime.after_s`), as the learner logs its metrics while
+  the actors already generate with the new weights;
 - the actor's time per round outside engine.generate and its waits (scoring, packing and
   pushing groups, loading weights): (1 - actor_wait_fraction) · wall / rounds - generate_time_s,
   with rounds = (steps · B + dropped_stale) / concurrency (full rounds assumed); when a point
@@ -334,7 +336,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
         world=point.cfg.learner.world,
         overhead_s=fit.overhead_s,
         token_s=fit.token_s,
-        snapshot_s=fit.outside_s,
+        after_s=fit.outside_s,
     )
     generation = dataclasses.replace(
         cal.generation, fixed_s=cal.generation.fixed_s + point.actor_outside_s
@@ -342,7 +344,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
     sync_s = cal.sync_s
     if own_times:
         generation = GenerationTime(fixed_s=point.generate_time_s + point.actor_outside_s)
-        learner = LearnerTime(overhead_s=point.step_time_s + point.learner_outside_s)
+        learner = LearnerTime(overhead_s=point.step_time_s, after_s=point.learner_outside_s)
         sync_s = point.sync_s
     if spread:
         generation = dataclasses.replace(generation, spread=point.generate_spread)

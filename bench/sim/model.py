@@ -435,13 +435,20 @@ class Simulation:
             self.publish(self.policy_version)
         self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)
         if self.steps_done < self.cfg.num_steps:
-            self.waiting_since = self.now
-            if not self.cfg.pipeline_requests:
-                self.learner_request(self.policy_version)
-            if self.inbox is not None:
-                batch, self.inbox = self.inbox, None
-                self.learner_start(batch)
-            self.hub_tick()
+            if self.cfg.learner.after_s:  # metrics and logs, while the actors generate
+                self.at(self.now + self.cfg.learner.after_s, PRIO_STEP_DONE, self.learner_ready)
+            else:
+                self.learner_ready()
+
+    def learner_ready(self, _arg: Any = None) -> None:
+        """The learner turns to its next batch: from the inbox, or it waits (and asks)."""
+        self.waiting_since = self.now
+        if not self.cfg.pipeline_requests:
+            self.learner_request(self.policy_version)
+        if self.inbox is not None:
+            batch, self.inbox = self.inbox, None
+            self.learner_start(batch)
+        self.hub_tick()
 
     # --- weights --------------------------------------------------------------------------------
 

@@ -133,3 +133,18 @@ def test_calibration_point_takes_its_mode_and_removes_the_pauses() -> None:
     assert own.weight_update == "in_flight" and own.inflight_pause_s == 0.05
     fitted = sim_config_for(p, cal, spread=False)
     assert fitted.weight_update == "in_flight" and fitted.inflight_pause_s == 0.02
+
+
+@pytest.mark.parametrize(("g", "a"), [(1.5, 0.25), (0.5, 1.0)])
+def test_learner_time_after_publication_overlaps_generation(g: float, a: float) -> None:
+    """η = 0, s = 0.5, d = 0, the learner busy `a` after each publication (metrics, logs).
+
+    Derivation: weights land as step k ends; the actor generates batch k+1 in g while the
+    learner spends a, then the learner waits g - a if g > a: period s + max(g, a), learner idle
+    max(0, g - a) of it. Without the overlap (a counted in the step) the period would be
+    g + s + a.
+    """
+    s = 0.5
+    r = simulate(one_actor(0, g, s, 0.0, learner=LearnerTime(overhead_s=s, after_s=a)))
+    assert r.samples_per_s == S / (s + max(g, a))
+    assert r.learner_idle_fraction == max(0.0, g - a) / (s + max(g, a))
