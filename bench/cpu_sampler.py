@@ -4,7 +4,8 @@ On cores shared with other work, samples/s measures how much CPU the run's proce
 as much as what they do with it. `CpuSampler` reads, every `interval_s`, the user + system CPU
 seconds of every process that `asyncrl run` lists in `<run_dir>/pids.json` (Linux /proc; empty
 elsewhere). `summary` then gives, over the steady part of the run (from `skip_s` after the
-learner's first step to the last sample), each process's CPU milliseconds per learner step and
+learner's first step to the last sample in which every process then running still runs), each
+process's CPU milliseconds per learner step and
 its share of one core, and the samples trained per CPU second of all of them together: a figure
 that load from other work changes much less than samples/s.
 
@@ -71,12 +72,15 @@ class CpuSampler:
             return None
         start = rows[0]["time"] + skip_s
         steady = [(t, cpu) for t, cpu in self.samples if t >= start]
+        if not steady:
+            return None
+        names = sorted(steady[0][1])  # the processes running then; the window ends before
+        steady = [(t, cpu) for t, cpu in steady if set(names) <= set(cpu)]  # any of them exits
         if len(steady) < 3:
             return None
         (t0, first), (t1, last) = steady[0], steady[-1]
         inside = [r for r in rows if t0 < r["time"] <= t1]
-        names = [n for n in last if n in first]
-        if len(inside) < 5 or not names:
+        if len(inside) < 5:
             return None
         used = {n: last[n] - first[n] for n in names}
         samples = sum(r["samples"] for r in inside)

@@ -29,6 +29,7 @@ def test_summary_over_the_steady_window(tmp_path: Path) -> None:
     sampler = CpuSampler(tmp_path)
     sampler.samples = [(100.0 + t, {"learner": 2.0 + 0.4 * (t - 6), "actor": 1.0 + 0.1 * (t - 6)})
                        for t in range(1, 17)]  # fmt: skip
+    sampler.samples += [(117.0, {"actor": 2.2}), (118.0, {})]  # the learner ended: not used
     rows = [{"time": 100.0 + k, "samples": 64} for k in range(21)]
     out = sampler.summary(rows, skip_s=6.0)
     assert out is not None
