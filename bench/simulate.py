@@ -280,11 +280,11 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["predictions"]
-    etas = [r["max_staleness"] for r in rows]
-    x = np.arange(len(etas))
     modes = [(k, label) for k, label in (("predictions", "between groups"),
              ("predictions_in_flight", "in flight")) if k in result]  # fmt: skip
+    rows = result[modes[0][0]]  # the staleness histograms: between groups when predicted
+    etas = [r["max_staleness"] for r in rows]
+    x = np.arange(len(etas))
     width = 0.8 / len(modes)
 
     def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -320,7 +320,7 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
         hist = np.asarray(r["staleness_histogram"], dtype=float)
         ax[1, 0].bar(np.arange(hist.size) + i * hist_width, hist / max(1.0, hist.sum()),
                      hist_width, label=f"η={r['max_staleness']}")  # fmt: skip
-    ax[1, 0].set(title="staleness of consumed groups (between groups)",
+    ax[1, 0].set(title=f"staleness of consumed groups ({modes[0][1]})",
                  xlabel="policy_version - min_policy_version", ylabel="share of groups")  # fmt: skip
     ax[1, 0].legend()
     ax[1, 1].set(title=f"groups dropped as stale per step (of {a['groups_per_step']})", xlabel="η")
