@@ -14,8 +14,8 @@ and the mean reward at a fixed wall-clock time and at a fixed step count common 
 
 Writes `bench/results/staleness.json` (`points`, each with `max_staleness`, `loss`, `seed`,
 `samples_per_s`, `final_reward`, ...; top-level `speedup_eta4_vs_eta0` for the first loss) and
-two pictures: `staleness_throughput.png` (samples/s and idle fractions vs η) and
-`staleness_reward.png` (reward vs wall-clock per η and loss). The point fields also serve the
+two pictures beside it, named after it: `staleness_throughput.png` (samples/s and idle fractions
+vs η) and `staleness_reward.png` (reward vs wall-clock per η, loss and mode). The point fields also serve the
 simulator's calibration (bench/sim/calibrate.py).
 
 `--modes` sweeps `actor.weight_update` too (default: between_groups only). Per point: the
@@ -198,9 +198,9 @@ def by(points: list[dict[str, Any]], loss: str, eta: int, key: str,
     return statistics.median(values) if values else None
 
 
-def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_dir: Path,
+def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out: Path,
          modes: list[str]) -> None:  # fmt: skip
-    """staleness_throughput.png (samples/s, idle fractions vs η) and staleness_reward.png
+    """<out stem>_throughput.png (samples/s, idle fractions vs η) and <out stem>_reward.png
     (reward vs wall-clock): a line (a panel) per loss and weight-update mode."""
     import matplotlib
 
@@ -224,7 +224,7 @@ def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_d
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "staleness_throughput.png", dpi=120)
+    fig.savefig(out.with_name(f"{out.stem}_throughput.png"), dpi=120)
     plt.close(fig)
 
     panels = [(loss, mode) for loss in losses for mode in modes]
@@ -241,7 +241,7 @@ def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_d
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "staleness_reward.png", dpi=120)
+    fig.savefig(out.with_name(f"{out.stem}_reward.png"), dpi=120)
     plt.close(fig)
 
 
@@ -380,7 +380,7 @@ def main() -> None:
         "points": points,
     }
     write_json(out, result)
-    plot(points, losses, etas, out.parent, modes)
+    plot(points, losses, etas, out, modes)
     print(f"speedup η=4 vs η=0 ({losses[0]}): {result['speedup_eta4_vs_eta0']}; in-flight η=1 "
           f"over between-groups η=4: {result['inflight_eta1_over_between_eta4']}; wrote {out}",
           flush=True)  # fmt: skip
@@ -398,7 +398,7 @@ def resummarise(src: Path, out: Path) -> None:
     data.update(summarise(points, losses, etas, modes, per_step))
     data["summarised_by"] = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
     write_json(out, data)
-    plot(points, losses, etas, out.parent, modes)
+    plot(points, losses, etas, out, modes)
     print(f"in-flight η=1 over between-groups η=4: {data['inflight_eta1_over_between_eta4']}, "
           f"learner training share: {data['inflight_eta1_over_between_eta4_train_fraction']}")  # fmt: skip
 
