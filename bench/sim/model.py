@@ -40,7 +40,8 @@ event that changes the hub's state, the hub grants credits and serves the parked
 Version, a batch) acts `message_latency_s` after it is sent (a delivery event, after the
 learner's step ends and before actors start at the same instant); with 0 it acts at once, in
 the sender's event. Versions and staleness follow the real system: an actor stamps its whole
-batch with the version loaded at the batch's start (min = max policy version); the learner
+batch with the version loaded at the batch's start (min = max policy version, between groups;
+in flight, max is the last version loaded during the batch); the learner
 consumes at version v and the hub records staleness v - min_policy_version.
 
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
