@@ -55,11 +55,14 @@ class StepRunner:
         self.optimizer = optimizer
         self.pad_id = pad_id
         self.ranks = ranks
+        self.version = 0
+        """The policy version being trained (the batch's): token lags are counted from it."""
 
     def optimize(self, batch: Batch) -> dict[str, float]:
         """Train on this rank's share of `batch`; statistics are the step's (all ranks')."""
         first, last = shard_groups(len(batch.groups), self.ranks.rank, self.ranks.world)
         data = collate(batch.groups[first:last], self.pad_id)
+        self.version = batch.policy_version
         advantages = self.advantages(batch.groups[first:last], data)
         parts = self.cfg.learner.minibatches
         needs = parts > 1 and self.cfg.loss.name in NEEDS_PROXIMAL
@@ -177,6 +180,7 @@ class StepRunner:
             advantages.to(device),
             mask,
             self.cfg.loss,
+            token_lag=(self.version - mb.token_versions).clamp(min=0).to(device),
             **totals,
         )
         (loss * scale if scale != 1.0 else loss).backward()
