@@ -412,6 +412,9 @@ class LearnerConfig:
     """Optimizer steps before the learner stops."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    lr_staleness_decay: float = 0.0
+    """κ: each step's learning rate is lr / (1 + κ·ℓ), ℓ = the mean version lag of the batch's
+    produced tokens (the version trained minus the one that made the token); 0 = constant."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -482,6 +485,12 @@ class LearnerConfig:
             self.groups_per_step,
         )
         _check(self.wait_actors_s >= 0, "learner.wait_actors_s", "must be >= 0", self.wait_actors_s)
+        _check(
+            self.lr_staleness_decay >= 0,
+            "learner.lr_staleness_decay",
+            "must be >= 0",
+            self.lr_staleness_decay,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -89,6 +89,7 @@ def summarize(points: list[dict[str, Any]], losses: list[str], etas: list[int]) 
     """Per loss: final reward median/min/max per η and the high-η minus η = 0 gap; the best
     correcting loss and its gap."""
     low, high = min(etas), max(etas)
+    gap = f"final_reward_eta{high}_minus_eta{low}"
     per_loss: dict[str, Any] = {}
     for loss in losses:
         by_eta = {
@@ -96,9 +97,7 @@ def summarize(points: list[dict[str, Any]], losses: list[str], etas: list[int]) 
         }
         per_loss[loss] = {
             "final_reward_by_eta": by_eta,
-            f"final_reward_eta{high}_minus_eta{low}": (
-                by_eta[str(high)]["median"] - by_eta[str(low)]["median"]
-            ),
+            gap: by_eta[str(high)]["median"] - by_eta[str(low)]["median"] if high > low else None,
             "diagnostics_by_eta": {
                 str(e): {
                     k: statistics.median(p[k] for p in points if _at(p, loss, e))
@@ -109,11 +108,7 @@ def summarize(points: list[dict[str, Any]], losses: list[str], etas: list[int]) 
             },
         }
     correcting = [loss for loss in losses if loss != "ppo"] or losses
-    gap = f"final_reward_eta{high}_minus_eta{low}"
-    best = max(
-        correcting,
-        key=lambda n: (per_loss[n]["final_reward_by_eta"][str(high)]["median"], per_loss[n][gap]),
-    )
+    best = max(correcting, key=lambda n: per_loss[n]["final_reward_by_eta"][str(high)]["median"])
     return {"per_loss": per_loss, "best_correcting_loss": best, gap: per_loss[best][gap]}
 
 
@@ -193,7 +188,7 @@ def main() -> None:
     write_json(out, result)
     plot(points, losses, etas, out.with_name(out.stem + "_reward.png"))
     gap = f"final_reward_eta{max(etas)}_minus_eta{min(etas)}"
-    print(f"{result['best_correcting_loss']}: {gap} = {result[gap]:+.3f}; wrote {out}")
+    print(f"{result['best_correcting_loss']}: {gap} = {result[gap]}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,28 @@ def test_stale_clip_clips_each_token_by_its_own_lag(
     assert differs
 
 
+def test_the_learning_rate_falls_with_the_mean_token_lag(
+    make_learner: object, tiny_model_dir: Path
+) -> None:
+    """Trained at version 4, tokens 0-1 of every trajectory have lag 3 and the rest lag 1;
+    with κ = 0.5 the step's rate is lr / (1 + 0.5 ℓ), ℓ the mean over produced tokens."""
+    rng = np.random.default_rng(11)
+    groups = [_group(rng, "g0", 3, (1, 3)), _group(rng, "g1", 3, (1, 3))]
+    lengths = [len(t.tokens) - t.prompt_len for g in groups for t in g.trajectories()]
+    mean_lag = sum(3 * 2 + 1 * (n - 2) for n in lengths) / sum(lengths)
+    cfg = _config(tiny_model_dir, 1, "decoupled_ppo")
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lr_staleness_decay=0.5))
+    learner = make_learner(cfg)  # type: ignore[operator]
+    stats = learner.optimize(Batch(request_id=1, policy_version=4, groups=tuple(groups)))
+    rate = 0.01 / (1 + 0.5 * mean_lag)
+    assert stats["lr"] == pytest.approx(rate, rel=1e-12)
+    same = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lr=rate,
+                                                                lr_staleness_decay=0.0))  # fmt: skip
+    want = dict(_reference(same, tiny_model_dir, groups, version=4).named_parameters())
+    for name, param in learner.model.named_parameters():
+        torch.testing.assert_close(param, want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_minibatches_beyond_groups_per_step_are_refused(tiny_model_dir: Path) -> None:
     assert _config(tiny_model_dir, 2, "ppo").learner.minibatches == 2
     with pytest.raises(ValueError, match="learner.minibatches"):

@@ -137,3 +137,11 @@ def test_a_trajectory_spanning_two_versions_is_clipped_token_by_token() -> None:
 def test_bad_values_fail_naming_the_key(key: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"loss.{key}"):
         LossConfig(**{key: value})
+
+
+def test_lr_staleness_decay_must_not_be_negative() -> None:
+    from asyncrl.config import LearnerConfig
+
+    assert LearnerConfig(lr_staleness_decay=0.5).lr_staleness_decay == 0.5
+    with pytest.raises(ValueError, match="learner.lr_staleness_decay"):
+        LearnerConfig(lr_staleness_decay=-1.0)
