@@ -370,9 +370,10 @@ class LossConfig:
     m2_bound: float = 0.04
     """τ of m2po: the fewest tokens of largest (log π_prox/μ)² are masked so that the kept
     tokens' mean of (log π_prox/μ)² stays <= τ (M2PO's value: 0.04)."""
-    clip_lag_decay: float = 0.25
+    clip_lag_scale: float = 0.1
     """κ of stale_clip: a token made `lag` versions before the one trained has its clip ranges
-    divided by 1 + κ·lag (0 = plain ppo)."""
+    multiplied by 1 + κ·lag (κ >= 0: wider for staler tokens) or divided by 1 + |κ|·lag
+    (κ < 0: narrower); 0 = plain ppo."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "dr_grpo"] = "token_mean"
     """How token losses become one number."""
     adv_std_norm: bool = True
@@ -385,7 +386,12 @@ class LossConfig:
         _check(0 <= self.mask_low <= 1, "loss.mask_low", "must be in [0, 1]", self.mask_low)
         _check(self.mask_high >= 1, "loss.mask_high", "must be >= 1", self.mask_high)
         _check(self.m2_bound > 0, "loss.m2_bound", "must be > 0", self.m2_bound)
-        _check(self.clip_lag_decay >= 0, "loss.clip_lag_decay", "must be >= 0", self.clip_lag_decay)
+        _check(
+            math.isfinite(self.clip_lag_scale),
+            "loss.clip_lag_scale",
+            "must be a finite number",
+            self.clip_lag_scale,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,9 +23,10 @@ r = π_θ/π_prox, ρ = π_θ/μ, w = π_prox/μ (detached) and clip(x) = clip(x
     m2po           -min(r A, clip(r) A) · w · k         M2PO: k = 0 for the fewest tokens of largest
                    d² (d = log π_prox - log μ) such that the kept tokens' second moment
                    Σ k d² / Σ k stays ≤ τ = m2_bound; keeps w uncapped otherwise
-    stale_clip     -min(ρ A, clip_ℓ(ρ) A)               PPO whose clip range shrinks with the
-                   token's version lag ℓ (`token_lag`): clip_ℓ(x) = clip(x, 1 - ε_low / (1 + κ ℓ),
-                   1 + ε_high / (1 + κ ℓ)), κ = clip_lag_decay; κ = 0 (or ℓ = 0) is plain ppo
+    stale_clip     -min(ρ A, clip_ℓ(ρ) A)               PPO whose clip ranges scale with the token's
+                   version lag ℓ (`token_lag`): clip_ℓ(x) = clip(x, 1 - ε_low s, 1 + ε_high s),
+                   s = 1 + κ ℓ (κ = clip_lag_scale ≥ 0: the trust region around μ widens with
+                   staleness) or s = 1 / (1 + |κ| ℓ) (κ < 0: it shrinks); κ = 0 or ℓ = 0 is ppo
 
 Masked IS is the IcePop-style two-sided mask (tokens with π_prox/μ outside [α, β] dropped).
 M2PO's mask is chosen over the tokens of one call: pass the whole step's batch in one call (one
@@ -197,7 +198,8 @@ def _stale_clip(
     lp: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig, lag: Tensor
 ) -> TokenTerms:
     ratio = torch.exp(lp - beh)
-    scale = 1.0 / (1.0 + cfg.clip_lag_decay * lag.to(lp.dtype))
+    kappa_lag = abs(cfg.clip_lag_scale) * lag.to(lp.dtype)
+    scale = 1.0 + kappa_lag if cfg.clip_lag_scale >= 0 else 1.0 / (1.0 + kappa_lag)
     loss, clipped = _clip_surrogate(ratio, adv, cfg, scale)
     return TokenTerms(loss, ratio.detach(), clipped, torch.zeros_like(m))
 

@@ -2,7 +2,8 @@
 
 m2po: d = log π_prox - log μ; the fewest tokens of largest d² are dropped so that the kept
 tokens' mean d² is <= τ; the kept ones get decoupled PPO's -min(r A, clip(r) A) · w.
-stale_clip: PPO on ρ = π_θ/μ whose clip range is divided by 1 + κ·lag, lag per token.
+stale_clip: PPO on ρ = π_θ/μ whose clip ranges are multiplied by 1 + κ·lag (κ ≥ 0) or divided
+by 1 + |κ|·lag (κ < 0), lag per token.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def test_m2po_without_staleness_is_decoupled_ppo() -> None:
     assert stats["masked_frac"] == 0.0
 
 
-def _stale_clip(ratio: float, adv: float, lag: int, decay: float = 0.25) -> tuple[float, float]:
+def _stale_clip(ratio: float, adv: float, lag: int, kappa: float) -> tuple[float, float]:
     """(loss, ∂loss/∂log π_θ) of one token with ρ = `ratio`."""
     beh = torch.tensor([[-1.0]], dtype=torch.float64)
     lp = (beh + math.log(ratio)).requires_grad_(True)
-    cfg = LossConfig(name="stale_clip", clip_lag_decay=decay)
+    cfg = LossConfig(name="stale_clip", clip_lag_scale=kappa)
     loss, _ = policy_loss(lp, None, beh, torch.tensor([adv], dtype=torch.float64),
                           torch.ones(1, 1), cfg, token_lag=torch.tensor([[lag]]))  # fmt: skip
     loss.backward()
@@ -80,14 +81,23 @@ def _stale_clip(ratio: float, adv: float, lag: int, decay: float = 0.25) -> tupl
 
 
 def test_stale_clip_shrinks_the_clip_range_with_the_lag() -> None:
-    """ε_high = 0.28, ε_low = 0.2, κ = 0.25. At lag 2 the range is divided by 1.5:
+    """ε_high = 0.28, ε_low = 0.2, κ = -0.25. At lag 2 the range is divided by 1.5:
     [1 - 0.2/1.5, 1 + 0.28/1.5] = [0.866667, 1.186667]."""
-    assert _stale_clip(1.2, 1.0, lag=0) == pytest.approx((-1.2, -1.2))  # inside [0.8, 1.28]
-    assert _stale_clip(1.2, 1.0, lag=2) == pytest.approx((-1.186667, 0.0), abs=1e-6)
-    assert _stale_clip(0.85, -1.0, lag=0) == pytest.approx((0.85, 0.85))
-    assert _stale_clip(0.85, -1.0, lag=2) == pytest.approx((0.866667, 0.0), abs=1e-6)
-    assert _stale_clip(0.85, 1.0, lag=8) == pytest.approx((-0.85, -0.85))  # min keeps ρ A
-    assert _stale_clip(1.2, 1.0, lag=8, decay=0.0) == pytest.approx((-1.2, -1.2))  # plain ppo
+    assert _stale_clip(1.2, 1.0, 0, -0.25) == pytest.approx((-1.2, -1.2))  # inside [0.8, 1.28]
+    assert _stale_clip(1.2, 1.0, 2, -0.25) == pytest.approx((-1.186667, 0.0), abs=1e-6)
+    assert _stale_clip(0.85, -1.0, 0, -0.25) == pytest.approx((0.85, 0.85))
+    assert _stale_clip(0.85, -1.0, 2, -0.25) == pytest.approx((0.866667, 0.0), abs=1e-6)
+    assert _stale_clip(0.85, 1.0, 8, -0.25) == pytest.approx((-0.85, -0.85))  # min keeps ρ A
+    assert _stale_clip(1.2, 1.0, 8, 0.0) == pytest.approx((-1.2, -1.2))  # plain ppo
+
+
+def test_stale_clip_widens_the_clip_range_with_the_lag() -> None:
+    """κ = 0.25: lag 2 multiplies the ranges by 1.5, [0.7, 1.42]; lag 4 by 2, [0.6, 1.56]."""
+    assert _stale_clip(1.5, 1.0, 0, 0.25) == pytest.approx((-1.28, 0.0))
+    assert _stale_clip(1.5, 1.0, 2, 0.25) == pytest.approx((-1.42, 0.0))
+    assert _stale_clip(1.5, 1.0, 4, 0.25) == pytest.approx((-1.5, -1.5))
+    assert _stale_clip(0.65, -1.0, 2, 0.25) == pytest.approx((0.7, 0.0))
+    assert _stale_clip(0.65, -1.0, 4, 0.25) == pytest.approx((0.65, 0.65))
 
 
 def test_stale_clip_needs_nonnegative_lags() -> None:
@@ -106,7 +116,7 @@ def test_stale_clip_needs_nonnegative_lags() -> None:
 
 def test_a_trajectory_spanning_two_versions_is_clipped_token_by_token() -> None:
     """Tokens 0-1 made by version 3, tokens 2-3 by version 6 (an in-flight update); trained
-    at version 7 the lags are [4, 4, 1, 1], so with κ = 0.25 the upper clip is 1 + 0.28/2 =
+    at version 7 the lags are [4, 4, 1, 1], so with κ = -0.25 the upper clip is 1 + 0.28/2 =
     1.14 on the old tokens and 1 + 0.28/1.25 = 1.224 on the new ones. Every token has
     ρ = 1.2, A = 1: the old tokens are clipped (no gradient), the new ones are not."""
     traj = Trajectory(
@@ -123,7 +133,8 @@ def test_a_trajectory_spanning_two_versions_is_clipped_token_by_token() -> None:
     lp = (batch.behavior_logprobs.double() + math.log(1.2)).requires_grad_(True)
     loss, stats = policy_loss(lp, None, batch.behavior_logprobs.double(),
                               torch.tensor([1.0], dtype=torch.float64), batch.mask,
-                              LossConfig(name="stale_clip"), token_lag=lag)  # fmt: skip
+                              LossConfig(name="stale_clip", clip_lag_scale=-0.25),
+                              token_lag=lag)  # fmt: skip
     loss.backward()
     assert lp.grad is not None
     assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -1.2 / 4, -1.2 / 4])
@@ -132,7 +143,7 @@ def test_a_trajectory_spanning_two_versions_is_clipped_token_by_token() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("m2_bound", 0.0), ("m2_bound", -1.0), ("clip_lag_decay", -0.1)]
+    ("key", "value"), [("m2_bound", 0.0), ("m2_bound", -1.0), ("clip_lag_scale", math.inf)]
 )
 def test_bad_values_fail_naming_the_key(key: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"loss.{key}"):
