@@ -164,6 +164,7 @@ def main() -> None:
     losses = args.losses.split(",")
     from asyncrl.tiny_model import ensure_model
 
+    env = environment()  # the commit measured: taken before the runs
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point
     # interleaved (each seed's points back to back) so drifts in machine load hit all alike
     combos = [(s, e, n) for s in range(args.seeds) for e in etas for n in losses]
@@ -179,7 +180,7 @@ def main() -> None:
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
         "config": cfg.to_dict(),
-        "environment": environment(),
+        "environment": env,
         "steps": args.steps,
         "tail": args.tail,
         **summarize(points, losses, etas),
