@@ -153,9 +153,10 @@ def relay_main(front: str, back: str) -> None:
     zmq.proxy(pull, push)
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of another process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def proc_cpu_s(pid: int, task: str = "") -> float:
+    """User + system CPU seconds of another process, or of its thread `task` (Linux /proc)."""
+    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -173,6 +174,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     assert ready.wait(120), "actor did not start"
     time.sleep(0.2)  # its first credits arrive before the clock starts
     hub_cpu, own_cpu = proc_cpu_s(hub["pid"]), time.process_time()
+    loop_cpu = proc_cpu_s(hub["pid"], str(hub["pid"]))  # the hub's main thread: its Python loop
     start = time.perf_counter()
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
@@ -189,8 +191,10 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     elapsed = time.perf_counter() - start
     parts = {"hub": proc_cpu_s(hub["pid"]) - hub_cpu, "learner": time.process_time() - own_cpu,
              "actor": cpu.get(timeout=120)}  # fmt: skip
-    hub.setdefault("cpu_parts", []).append({k: v / count * 1e6 for k, v in parts.items()})
+    loop = proc_cpu_s(hub["pid"], str(hub["pid"])) - loop_cpu
     cpu_s = sum(parts.values())
+    parts["hub_loop"] = loop  # part of "hub": the rest is ZeroMQ's I/O thread (and fsyncs)
+    hub.setdefault("cpu_parts", []).append({k: v / count * 1e6 for k, v in parts.items()})
     hub["request_id"] = request_id
     proc.join()
     return elapsed, cpu_s
@@ -258,14 +262,15 @@ def disk_fsync_mbps(directory: Path, total_mib: int = 128) -> float:
     return total_mib * (1 << 20) / (time.perf_counter() - start) / 1e6
 
 
-def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subprocess.Popen, str]:
     dataset = tmp / "prompts.jsonl"
     dataset.write_text(
         "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000))
     )
     endpoint_file = tmp / "endpoint"
     endpoint_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset), "--endpoint-file",
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    cmd = [sys.executable, *prof, "-m", "asyncrl", "replay", "--dataset", str(dataset), "--endpoint-file",
            str(endpoint_file), "--log-level", "WARNING"] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT)
     while not endpoint_file.exists():
@@ -283,18 +288,21 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     overrides = overrides_for(actual, batch)
     hubs = {}
     for name, extra in (("hub", []), ("hub_durable", DURABLE)):
-        if name not in args.variants:
+        if name not in args.variants.split(","):
             continue
         state_dir = tmp / f"state-{actual}"
         extra = [x.replace("STATE", str(state_dir)) for x in extra]
-        proc, endpoint = start_hub(tmp, overrides + extra)
+        profile = f"{args.profile_hub}.{name}.{actual}" if args.profile_hub else ""
+        proc, endpoint = start_hub(tmp, overrides + extra, profile)
         hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
                "request_id": 0, "pid": proc.pid, "proc": proc}  # fmt: skip
         hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
                                        config_hash=hub["hash"])  # fmt: skip
         hub["learner"].start()
         hubs[name] = hub
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS if name in args.variants}
+    times: dict[str, list[float]] = {
+        name: [] for name in VARIANTS if name in args.variants.split(",")
+    }
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
     try:
@@ -343,7 +351,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "loadavg_1min": spread(loads), "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
         "hub_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hubs["hub"]["cpu_parts"][1:]]) for k in ("actor", "hub", "learner")
+            k: spread([p[k] for p in hubs["hub"]["cpu_parts"][1:]])
+            for k in ("actor", "hub", "hub_loop", "learner")
         },
     }  # fmt: skip
 
@@ -361,6 +370,7 @@ def main() -> None:
         "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
     )
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
+    p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
     keep_freed_buffers()  # as the hub does: this process is the learner and the raw receiver
