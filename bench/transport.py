@@ -352,11 +352,26 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
         "loadavg_1min": spread(loads), "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
-        "hub_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hubs["hub"]["cpu_parts"][1:]])
+        **{f"{name}_cpu_us_per_group_by_process": {
+            k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
             for k in ("actor", "hub", "hub_loop", "learner")
-        },
+        } for name in ("hub", "hub_durable")},
     }  # fmt: skip
+
+
+TARGETS = {"ratio_vs_relay": 0.8, "hub_groups_per_s_32k": 10_000, "durable_over_volatile_256k": 0.7}
+
+
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The goals of this benchmark (medians against them): hub >= 0.8x the two-hop relay at
+    every size, >= 10,000 groups/s at 32 KB, durable >= 0.7x volatile at 256 KB."""
+    done = [r for r in results if not r.get("partial")]
+    near = {size: min(done, key=lambda r: abs(r["group_bytes"] - size)) for size in (32 << 10, 256 << 10)} if done else {}  # fmt: skip
+    met: dict[str, bool] = {f"ratio_vs_relay_{r['group_bytes']}": r["ratio_vs_relay"] >= TARGETS["ratio_vs_relay"] for r in done}  # fmt: skip
+    if near:
+        met["hub_groups_per_s_32k"] = near[32 << 10]["hub_groups_per_s"] >= TARGETS["hub_groups_per_s_32k"]  # fmt: skip
+        met["durable_over_volatile_256k"] = near[256 << 10]["durable_over_volatile"] >= TARGETS["durable_over_volatile_256k"]  # fmt: skip
+    return {"goals": TARGETS, "met": met}
 
 
 def main() -> None:
@@ -396,13 +411,14 @@ def main() -> None:
         **env,
         "results": results,
     }
+    out["targets"] = targets(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     for r in results:
         if r.get("partial"):
             continue
         print(f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
-              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f} | durable/volatile {r['durable_over_volatile']:.2f}")  # fmt: skip
+              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f} | vs relay {r['ratio_vs_relay']:.2f} | durable/volatile {r['durable_over_volatile']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
