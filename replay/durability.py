@@ -118,8 +118,9 @@ class TornRecord(Exception):
 class Syncer:
     """Writes and fsyncs on a thread of its own: `request(fd, lsn, buffers)` queues `buffers`
     for `fd` and asks for everything up to `lsn` to reach the disk; `synced` then covers `lsn`,
-    and a byte on `wake_fd` says so. Copying records into the page cache is the costly part of
-    a commit (it slows down sharply while an fsync runs), so the hub's loop does neither."""
+    and a byte on `wake_fd` says so. Copying records into the page cache is a commit's largest
+    cost after the fsync (most of a durable hub's loop time when the loop did it), so the
+    hub's loop does neither."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
