@@ -188,7 +188,8 @@ class Syncer:
 
 class WriteAheadLog:
     """The log of one hub state directory; `journal` is what HubState records through. With
-    `background`, fsyncs run on a `Syncer` thread (the hub's loop); without, in `commit`."""
+    `background`, writes and fsyncs run on a `Syncer` thread (the hub's loop); without, in
+    `commit`."""
 
     def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
                  background: bool = False) -> None:  # fmt: skip
