@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -392,12 +393,11 @@ def main() -> None:
     args = p.parse_args()
     keep_freed_buffers()  # as the hub does: this process is the learner and the raw receiver
     gc.freeze()
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-bench-transport-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
     env = environment(
         ("zmq", "msgpack", "numpy")
     )  # before the run: its load average is the one at the start
-    results = [bench_size(int(s), args, tmp) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-transport-") as tmp:  # TMPDIR or /tmp
+        results = [bench_size(int(s), args, Path(tmp)) for s in args.sizes.split(",")]
     out = {
         "benchmark": "transport",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
