@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from token_checks import episode_group, plain_logprobs
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines.base import Continue, GenerationRequest, Sample
 from actors.engines.torch_engine import TorchEngine
@@ -44,14 +45,6 @@ def engine(tiny_model_dir: Path) -> Iterator[TorchEngine]:
     eng = TorchEngine(tiny_model_dir, seed=0)
     yield eng
     eng.close()
-
-
-def plain_logprobs(model: PreTrainedModel, context: list[int], tokens: np.ndarray) -> np.ndarray:
-    ids = torch.tensor([context + tokens.tolist()])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
 
 
 class TwoTurns:
@@ -210,24 +203,9 @@ def test_episodes_continued_in_call_equal_episodes_run_turn_by_turn(
     if max_episode_tokens:  # the budget ended episodes before their third turn
         assert "length" in reasons and min(ep.num_turns for g in in_call for ep in g.episodes) < 3
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    batch = collate([_group(g) for g in in_call], pad_id=int(tok.pad_token_id))
+    batch = collate([episode_group(g, str(g.tag)) for g in in_call], pad_id=int(tok.pad_token_id))
     with torch.no_grad():
         learner_lps, _ = token_logprobs(model, batch, 1.0, share_prompt=False)
     on = batch.mask.bool()
     np.testing.assert_allclose(learner_lps[on].numpy(), batch.behavior_logprobs[on].numpy(),
                                atol=2e-3)  # fmt: skip
-
-
-def _group(group: EpisodeGroup) -> object:
-    from asyncrl.protocol import Group, Trajectory
-
-    trajectories = []
-    for ep in group.episodes:
-        tokens, mask, logprobs = ep.trajectory()
-        trajectories.append(Trajectory(
-            tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask, behavior_logprobs=logprobs,
-            reward=ep.reward, min_policy_version=0, max_policy_version=0,
-            finish_reason=ep.finish_reason, num_turns=ep.num_turns,
-        ))  # fmt: skip
-    return Group.build(group_id=str(group.tag), prompt_id=group.row.prompt_id, credit_id="c",
-                       actor_id="a", seq=0, trajectories=trajectories)  # fmt: skip
