@@ -33,6 +33,8 @@ from typing import Any
 
 from actors.envs.base import Observation
 
+KNOWN_TEXTS = 4096  # texts whose ids are remembered
+
 STAND_IN: tuple[dict[str, str], ...] = (
     {"role": "system", "content": "x"},
     {"role": "user", "content": "x"},
@@ -49,6 +51,11 @@ class ChatTokens:
         eos = tokenizer.eos_token_id
         self.stop_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (int(eos),)
         self._cut: tuple[str, int] | None = None  # (stand-in prefix, cut position)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        """The fast tokenizer's own encoder (what `tokenizer(text)` runs, without its
+        per-call overhead), when the tokenizer has one."""
+        self._known: dict[tuple[str, bool], list[int]] = {}
+        """Ids of texts seen before (observations repeat: template deltas, tool results)."""
 
     def first(self, obs: Observation) -> list[int]:
         """Token ids of the prompt (the episode's first observation)."""
@@ -74,7 +81,16 @@ class ChatTokens:
     def encode(self, text: str, special: bool = False) -> list[int]:
         if not text:
             return []
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        known = self._known.get((text, special))
+        if known is not None:
+            return list(known)
+        if self._backend is not None:
+            ids = list(self._backend.encode(text, add_special_tokens=special).ids)
+        else:
+            ids = list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        if len(self._known) < KNOWN_TEXTS:
+            self._known[(text, special)] = ids
+        return list(ids)
 
     def delta(self, messages: Sequence[dict[str, str]]) -> str:
         """Template text of `messages` after an assistant turn, generation prompt included."""

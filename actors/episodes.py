@@ -15,9 +15,15 @@
      -> groups whose episodes have all ended
 ```
 
-Engines that keep KV caches between calls (the torch engine) keep each episode's between its
-turns (`GenerationRequest.cache_keys` / `resume_key`), so a turn prefills only the tokens added
-since the last one; an episode's cache is released when it ends.
+Engines that continue sequences within a call (`supports_turns`: the torch engine) hand each
+turn over as it ends (`on_turn`); an episode whose environment steps inline (quick steps, or no
+worker pool) gets its observation right there and goes on in the same decoding loop, its
+observation tokens fed with its next decoding step (continuous batching across turns: no
+episode waits for the slowest of a round, no context is prefilled twice). An episode whose
+step goes to a worker thread leaves the loop and comes back in a later call. Engines that keep
+KV caches between calls keep such an episode's cache between its turns
+(`GenerationRequest.cache_keys` / `resume_key`), so a turn prefills only the tokens added since
+the last one; an episode's cache is released when it ends.
 
 A trajectory is the prompt's tokens, then per turn the engine's own ids (loss_mask 1, the
 engine's behaviour logprobs) and the next observation tokenized on its own (loss_mask 0,
@@ -45,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from actors.chat_tokens import ChatTokens
-from actors.engines.base import Engine, GenerationRequest, Sample
+from actors.engines.base import Continue, Engine, GenerationRequest, Sample
 from actors.envs.base import Env, Row, Step
 from asyncrl.config import RunConfig
 
@@ -191,6 +197,8 @@ class EpisodeRunner:
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.reuse_kv = bool(getattr(engine, "supports_kv_reuse", False)) and limits.max_turns > 1
         """Keep each episode's KV cache in the engine between its turns (engines that can)."""
+        self.turns_in_call = bool(getattr(engine, "supports_turns", False)) and limits.max_turns > 1
+        """Episodes continue inside one engine call (see the module docstring)."""
 
     @property
     def num_groups(self) -> int:
@@ -259,21 +267,54 @@ class EpisodeRunner:
         batches = self.requests(ready)
         requests = [request for request, _ in batches]
         start = time.perf_counter()
-        outputs = self.engine.generate(requests)
+        if self.turns_in_call:
+            self.engine.generate(  # type: ignore[call-arg]
+                requests, on_turn=lambda i, j, sample: self.on_turn(batches[i][1][j], sample)
+            )
+        else:
+            outputs = self.engine.generate(requests)
         gen_s = time.perf_counter() - start
         self.stats["rounds"] += 1
         self.stats["generate_s"] += gen_s
         self.round_generate_s.append(gen_s)
+        for group in {id(ep.group): ep.group for ep in ready}.values():
+            group.generate_s += gen_s
+        if self.turns_in_call:
+            return
         turns = [(ep, s) for (_, eps), samples in zip(batches, outputs, strict=True)
                  for ep, s in zip(eps, samples, strict=True)]  # fmt: skip
         texts = self.tokenizer.batch_decode(
             [_without_stop(s, self.render.stop_ids) for _, s in turns], skip_special_tokens=False
         )
-        for group in {id(ep.group): ep.group for ep, _ in turns}.values():
-            group.generate_s += gen_s
         for (ep, sample), text in zip(turns, texts, strict=True):
             self.add_turn(ep, sample, text)
         self.dispatch([(ep, text) for (ep, _), text in zip(turns, texts, strict=True)])
+
+    def on_turn(self, ep: Episode, sample: Sample) -> Continue | str:
+        """A turn that just ended inside the engine's call: step an inline environment now and
+        continue the episode in the same call, or hand the step to a worker thread."""
+        text = self.tokenizer.decode(
+            _without_stop(sample, self.render.stop_ids), skip_special_tokens=False
+        )
+        self.add_turn(ep, sample, text)
+        if self.pool is not None and not getattr(ep.env, "inline_steps", False):
+            ep.pending = self.pool.submit(run_step, ep.env, text)
+            return "keep" if self.reuse_kv else "end"
+        self.on_step(ep, *run_step(ep.env, text))
+        if ep.deadline and not ep.done and time.monotonic() > ep.deadline:
+            self.finish(ep, "timeout")
+        if not ep.awaiting_model:
+            return "end"
+        observation, logprobs = ep.chunks[-1]
+        assert logprobs is None, "an episode awaiting the model ends with environment tokens"
+        seed = turn_seed(ep.group.seed, ep.index, ep.num_turns)
+        return Continue(tokens=observation.tolist(), max_new_tokens=self.budget(ep), seed=seed)
+
+    def budget(self, ep: Episode) -> int:
+        """The token limit of the episode's next turn."""
+        if self.limits.max_episode_tokens:
+            return min(self.limits.max_new_tokens, self.limits.max_episode_tokens - ep.num_tokens)
+        return self.limits.max_new_tokens
 
     def requests(self, ready: Sequence[Episode]) -> list[tuple[GenerationRequest, list[Episode]]]:
         """One request per distinct (group, context, turn): its episodes sample n = len(...)."""
@@ -285,9 +326,7 @@ class EpisodeRunner:
         out = []
         for (_, turn, context), eps in same.items():
             first = eps[0]
-            budget = self.limits.max_new_tokens
-            if self.limits.max_episode_tokens:
-                budget = min(budget, self.limits.max_episode_tokens - first.num_tokens)
+            budget = self.budget(first)
             seed = (
                 first.group.seed
                 if turn == 0 and first.index == 0

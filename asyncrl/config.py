@@ -351,11 +351,12 @@ class ActorConfig:
 class LossConfig:
     """The policy loss family of DESIGN §5 behind one signature."""
 
-    name: Literal["ppo", "decoupled_ppo", "truncated_is", "masked_is", "gspo", "cispo"] = (
-        "decoupled_ppo"
-    )
-    """Which objective: plain PPO/GRPO clip, AReaL's decoupled PPO, truncated IS, masked IS,
-    sequence-level geometric-mean ratio (GSPO), or CISPO."""
+    name: Literal[
+        "ppo", "decoupled_ppo", "truncated_is", "masked_is", "gspo", "cispo", "m2po", "stale_clip"
+    ] = "decoupled_ppo"
+    """Which objective: plain PPO/GRPO clip, AReaL's decoupled PPO, truncated IS, masked IS
+    (IcePop-style two-sided mask), sequence-level geometric-mean ratio (GSPO), CISPO, M2PO's
+    second-moment masking, or PPO with a clip range that shrinks with each token's staleness."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
@@ -366,6 +367,13 @@ class LossConfig:
     """α of masked IS: tokens with ratio < α are masked."""
     mask_high: float = 2.0
     """β of masked IS: tokens with ratio > β are masked."""
+    m2_bound: float = 0.04
+    """τ of m2po: the fewest tokens of largest (log π_prox/μ)² are masked so that the kept
+    tokens' mean of (log π_prox/μ)² stays <= τ (M2PO's value: 0.04)."""
+    clip_lag_scale: float = 0.1
+    """κ of stale_clip: a token made `lag` versions before the one trained has its clip ranges
+    multiplied by 1 + κ·lag (κ >= 0: wider for staler tokens) or divided by 1 + |κ|·lag
+    (κ < 0: narrower); 0 = plain ppo."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "dr_grpo"] = "token_mean"
     """How token losses become one number."""
     adv_std_norm: bool = True
@@ -377,6 +385,13 @@ class LossConfig:
         _check(self.is_cap >= 1, "loss.is_cap", "must be >= 1", self.is_cap)
         _check(0 <= self.mask_low <= 1, "loss.mask_low", "must be in [0, 1]", self.mask_low)
         _check(self.mask_high >= 1, "loss.mask_high", "must be >= 1", self.mask_high)
+        _check(self.m2_bound > 0, "loss.m2_bound", "must be > 0", self.m2_bound)
+        _check(
+            math.isfinite(self.clip_lag_scale),
+            "loss.clip_lag_scale",
+            "must be a finite number",
+            self.clip_lag_scale,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -403,6 +418,9 @@ class LearnerConfig:
     """Optimizer steps before the learner stops."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    lr_staleness_decay: float = 0.0
+    """κ: each step's learning rate is lr / (1 + κ·ℓ), ℓ = the mean version lag of the batch's
+    produced tokens (the version trained minus the one that made the token); 0 = constant."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -473,6 +491,12 @@ class LearnerConfig:
             self.groups_per_step,
         )
         _check(self.wait_actors_s >= 0, "learner.wait_actors_s", "must be >= 0", self.wait_actors_s)
+        _check(
+            self.lr_staleness_decay >= 0,
+            "learner.lr_staleness_decay",
+            "must be >= 0",
+            self.lr_staleness_decay,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

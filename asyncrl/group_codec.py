@@ -52,6 +52,7 @@ _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max add a Pytho
 _INT, _STR, _FLOAT, _NUM = {int}, {str}, {float}, {int, float}
 _FINISH = frozenset(FINISH_REASONS)
 _INF, _isfinite = math.inf, math.isfinite
+_lt, _gt, _sub = operator.lt, operator.gt, operator.sub  # on ints: int.__lt__ &co are slower
 
 
 def new_message(cls: type, fields: dict[str, Any]) -> Any:
@@ -86,7 +87,7 @@ def decode_group(
     if spans and (
         type(spans) is not list
         or set(map(type, spans)) != _INT
-        or spans_problem(spans, lo, hi, list(map(int.__sub__, seq_lens, prompt_lens)))
+        or spans_problem(spans, lo, hi, list(map(_sub, seq_lens, prompt_lens)))
     ):
         return None  # only groups that record versions pay for the check
     num_tokens = sum(seq_lens)
@@ -152,7 +153,7 @@ def _lists_ok(seq_lens: Any, prompt_lens: Any, lo: Any, hi: Any, tids: Any, fini
         return False
     if not _FINISH.issuperset(finish) or min(prompt_lens) < 0 or min(lo) < 0:
         return False
-    return not (any(map(int.__lt__, seq_lens, prompt_lens)) or any(map(int.__gt__, lo, hi)))
+    return not (any(map(_lt, seq_lens, prompt_lens)) or any(map(_gt, lo, hi)))
 
 
 def _finite_rewards(rewards: list[Any]) -> list[float] | None:
@@ -260,7 +261,7 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
         if len(g[name]) != n:
             raise ProtocolError(prefix + name, f"has {len(g[name])} entries for {n} trajectories")
     prompt_lens = g["prompt_lens"]
-    if min(prompt_lens) < 0 or any(map(int.__lt__, seq_lens, prompt_lens)):
+    if min(prompt_lens) < 0 or any(map(_lt, seq_lens, prompt_lens)):
         raise ProtocolError(prefix + "prompt_lens", "each must be in [0, seq_len]")
     tokens, mask, lp = g["tokens"], g["loss_mask"], g["behavior_logprobs"]
     num_tokens = sum(seq_lens)
@@ -278,7 +279,7 @@ def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:
     if values:
         _check_values(tokens, mask, lp, prefix)
     lo, hi = g["min_policy_versions"], g["max_policy_versions"]
-    if min(lo) < 0 or any(map(int.__gt__, lo, hi)):
+    if min(lo) < 0 or any(map(_gt, lo, hi)):
         raise ProtocolError(prefix + "min_policy_versions", "need 0 <= min <= max per trajectory")
     if not _FINISH.issuperset(g["finish_reasons"]):
         bad = sorted(set(g["finish_reasons"]) - _FINISH)[0]

@@ -9,16 +9,20 @@ episodes in flight, a new group started as one finishes. So that every episode r
 `--turns - 1` tool calls whatever an untrained model writes, the call syntax is scripted
 (`EveryTurnCalls`: turns before the last are lookup calls; the last is the answer).
 `single_turn`: the same engine generates, for every episode of the multi-turn repetition just
-measured, exactly as many tokens as that episode's model turns held (stop tokens off), from the
-same prompts, in waves of the same number of episodes.
+measured, exactly as many tokens as that episode held after its prompt (model turns and tool
+observations: the episode's token count), from the same prompts, in waves of the same number
+of episodes, stop tokens off. `single_turn_model_tokens`: the same with only the model turns'
+token count (a stricter baseline: it leaves out the observation tokens, which the multi-turn
+engine must still run through the model).
 
-`multi_turn_over_single_turn` = episodes/s multi-turn / episodes/s single-turn (goal >= 0.8):
-what the turn structure costs (re-prefilling each turn's context, tool calls, observation
-tokens, bookkeeping). Repetitions alternate the two, so machine noise hits both alike.
-`multi_turn_generate_share` is the part of the multi-turn time spent inside `engine.generate`
-(the rest is the environments, tokenizing observations and the runner's bookkeeping); the
-torch engine prefills each turn's whole context again (no KV cache kept between turns), which
-single-turn generation of the same tokens does once. Writes bench/results/envs.json.
+`multi_turn_over_single_turn` = episodes/s multi-turn / episodes/s single-turn of the same
+token count (goal >= 0.8): what the turn structure costs (tool calls, the hand-over between
+the engine and the environments, feeding observations into the batch, bookkeeping).
+`multi_turn_over_single_turn_model_tokens` is the ratio against the stricter baseline.
+Repetitions alternate the three, so machine noise hits them alike. The torch engine continues
+each episode inside one generate call (actors/episodes.py, continuous batching across turns),
+so `multi_turn_generate_share` (the part of the multi-turn time inside `engine.generate`)
+includes the environments' steps. Writes bench/results/envs.json.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namesp
             i, row = todo.pop(0)
             runner.start(i, row, seed=i, n=args.group_size)
         for group in runner.advance():
-            episodes += [(group.episodes[0].prompt, _model_tokens(e)) for e in group.episodes]
+            episodes += [(e.prompt, _model_tokens(e), _all_tokens(e)) for e in group.episodes]
     seconds = time.perf_counter() - start
     runner.close()
     return {"seconds": seconds, "generate_s": engine.seconds, "episodes": len(episodes),
@@ -110,6 +114,7 @@ class TimedEngine:
     def __init__(self, inner: Any) -> None:
         self.inner, self.seconds = inner, 0.0
         self.supports_kv_reuse = getattr(inner, "supports_kv_reuse", False)
+        self.supports_turns = getattr(inner, "supports_turns", False)
 
     def release(self, keys: Sequence[str]) -> None:
         self.inner.release(keys)
@@ -118,9 +123,9 @@ class TimedEngine:
     def policy_version(self) -> int:
         return self.inner.policy_version
 
-    def generate(self, requests: Sequence[Any]) -> list[list[Any]]:
+    def generate(self, requests: Sequence[Any], **kwargs: Any) -> list[list[Any]]:
         start = time.perf_counter()
-        out = self.inner.generate(requests)
+        out = self.inner.generate(requests, **kwargs)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -129,8 +134,12 @@ def _model_tokens(ep: Any) -> int:
     return sum(len(tokens) for tokens, lps in ep.chunks if lps is not None)
 
 
+def _all_tokens(ep: Any) -> int:
+    return sum(len(tokens) for tokens, _ in ep.chunks)
+
+
 def single_turn(engine: Any, episodes: Sequence[tuple[list[int], int]], wave: int) -> float:
-    """Seconds to generate each episode's model-token count in one turn, `wave` at a time."""
+    """Seconds to generate each episode's token count in one turn, `wave` at a time."""
     from actors.engines.base import GenerationRequest
 
     start = time.perf_counter()
@@ -168,26 +177,37 @@ def main() -> int:
     rows = make_rows(task)
     multi_turn(engine, tok, rows[: args.concurrency], args)  # warm-up
     wave = args.concurrency * args.group_size
-    multi_rates, single_rates, ratios, tokens, shares = [], [], [], [], []
+    multi_rates, single_rates, model_rates, ratios, model_ratios = [], [], [], [], []
+    tokens, model_tokens, shares = [], [], []
     for rep in range(args.reps):
         run = multi_turn(engine, tok, rows, args)
-        single_s = single_turn(engine, run["episode_tokens"], wave)
+        eps = run["episode_tokens"]
+        single_s = single_turn(engine, [(p, n) for p, _, n in eps], wave)
+        model_s = single_turn(engine, [(p, n) for p, n, _ in eps], wave)
         multi_rates.append(run["episodes"] / run["seconds"])
         single_rates.append(run["episodes"] / single_s)
+        model_rates.append(run["episodes"] / model_s)
         ratios.append(single_s / run["seconds"])
-        tokens.append(sum(c for _, c in run["episode_tokens"]) / run["episodes"])
+        model_ratios.append(model_s / run["seconds"])
+        tokens.append(sum(n for _, _, n in eps) / run["episodes"])
+        model_tokens.append(sum(n for _, n, _ in eps) / run["episodes"])
         shares.append(run["generate_s"] / run["seconds"])
         print(f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
-              f"{single_rates[-1]:.1f}, ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+              f"{single_rates[-1]:.1f} (ratio {ratios[-1]:.3f}), single-turn of the model "
+              f"tokens {model_rates[-1]:.1f} (ratio {model_ratios[-1]:.3f})", flush=True)  # fmt: skip
     result = {
         "command": "python bench/envs.py " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         **environment(),
         "multi_turn_episodes_per_s": spread(multi_rates),
         "single_turn_episodes_per_s": spread(single_rates),
-        "model_tokens_per_episode": spread(tokens),
+        "single_turn_model_tokens_episodes_per_s": spread(model_rates),
+        "tokens_per_episode": spread(tokens),
+        "model_tokens_per_episode": spread(model_tokens),
         "multi_turn_over_single_turn": spread(ratios)["median"],
         "ratio_spread": spread(ratios),
+        "multi_turn_over_single_turn_model_tokens": spread(model_ratios)["median"],
+        "model_tokens_ratio_spread": spread(model_ratios),
         "multi_turn_generate_share": spread(shares),
         "goal": {"multi_turn_over_single_turn": 0.8},
     }

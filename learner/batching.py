@@ -47,6 +47,7 @@ class TrainBatch:
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]: which group each row belongs to
     min_policy_version: torch.Tensor  # int64 [B]
+    token_versions: torch.Tensor  # int64 [B, C]: the policy version behind each completion token
     prompt_ids: torch.Tensor  # int64 [U, P]: each distinct run of equal prompts, right-padded
     prompt_row: torch.Tensor  # int64 [B]: the prompt_ids row that row b continues (ascending)
     prompt_len: torch.Tensor  # int64 [B]
@@ -73,6 +74,7 @@ class TrainBatch:
             rewards=self.rewards[start:stop],
             group_index=self.group_index[start:stop],
             min_policy_version=self.min_policy_version[start:stop],
+            token_versions=self.token_versions[start:stop],
             prompt_ids=self.prompt_ids[first:last, :prompt_width],
             prompt_row=self.prompt_row[start:stop] - first,
             prompt_len=self.prompt_len[start:stop],
@@ -96,6 +98,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
     gather = np.zeros((num, comp_len), dtype=np.int64)
     mask = np.zeros((num, comp_len), dtype=np.float32)
     behavior = np.zeros((num, comp_len), dtype=np.float32)
+    versions = np.zeros((num, comp_len), dtype=np.int64)
     completions = np.full((num, comp_len), pad_id, dtype=np.int64)
     prompt_row = np.zeros(num, dtype=np.int64)
     prompts: list[np.ndarray] = []
@@ -108,6 +111,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         gather[row, :clen] = np.arange(plen - 1, length - 1)
         mask[row, :clen] = t.loss_mask
         behavior[row, :clen] = t.behavior_logprobs
+        versions[row, :clen] = t.token_versions()
         completions[row, :clen] = t.tokens[plen:]
         prompt = t.tokens[:plen]
         same = row > 0 and trajs[row - 1][0] == gi and np.array_equal(prompts[-1], prompt)
@@ -129,6 +133,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         min_policy_version=torch.tensor(
             [t.min_policy_version for _, t in trajs], dtype=torch.int64
         ),
+        token_versions=torch.from_numpy(versions),
         prompt_ids=torch.from_numpy(prompt_ids),
         prompt_row=torch.from_numpy(prompt_row),
         prompt_len=torch.tensor([t.prompt_len for _, t in trajs], dtype=torch.int64),

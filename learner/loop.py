@@ -82,7 +82,7 @@ class Learner:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.reward_monitor = RewardMonitor(cfg.reward, run_dir, log=_print_line)
+        self.reward_monitor = RewardMonitor(cfg.reward, run_dir)
         self.conn = conn  # rank 0 only: the other ranks never talk to the hub
         self.model_dir = model_dir
         self.ranks = ranks
@@ -157,8 +157,11 @@ class Learner:
             log.log(self.step, row)
             if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
                 self.live.publish({**row, "step": self.step})
-            if self.obs is not None:
-                self.obs.after_step(batch, row)  # alarms (may stop the run), trajectory store
+            reward_alarms = self.reward_monitor.take_alarms()
+            if self.obs is not None:  # alarms (may stop the run), trajectory store
+                self.obs.after_step(batch, row, reward_alarms)
+            for alarm in reward_alarms if self.obs is None else ():
+                _print_line(f"learner: ALARM {alarm.name} at step {alarm.step}: {alarm.message}")
             every = self.cfg.learner.checkpoint_every
             if every and self.step % every == 0:
                 self.checkpoint()

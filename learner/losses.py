@@ -20,6 +20,21 @@ r = π_θ/π_prox, ρ = π_θ/μ, w = π_prox/μ (detached) and clip(x) = clip(x
     cispo          -sg(clip(ρ)) · A · log π_θ           MiniMax-M1's CISPO: the IS weight is taken
                    against the behaviour policy μ, clipped and detached, so every token keeps a
                    gradient (through log π_θ); set clip_low near 1 for the paper's upper-only clip
+    m2po           -min(r A, clip(r) A) · w · k         M2PO: k = 0 for the fewest tokens of largest
+                   d² (d = log π_prox - log μ) such that the kept tokens' second moment
+                   Σ k d² / Σ k stays ≤ τ = m2_bound; keeps w uncapped otherwise
+    stale_clip     -min(ρ A, clip_ℓ(ρ) A)               PPO whose clip ranges scale with the token's
+                   version lag ℓ (`token_lag`): clip_ℓ(x) = clip(x, 1 - ε_low s, 1 + ε_high s),
+                   s = 1 + κ ℓ (κ = clip_lag_scale ≥ 0: the trust region around μ widens with
+                   staleness) or s = 1 / (1 + |κ| ℓ) (κ < 0: it shrinks); κ = 0 or ℓ = 0 is ppo
+
+Masked IS is the IcePop-style two-sided mask (tokens with π_prox/μ outside [α, β] dropped).
+M2PO's mask is chosen over the tokens of one call: pass the whole step's batch in one call (one
+micro-batch) for the paper's batch-level bound; with several micro-batches each keeps its own
+second moment under τ. Per token: sort the produced tokens by d² descending, s_1 ≥ ... ≥ s_n;
+drop the first j, j the smallest with Σ_{i>j} s_i ≤ τ (n - j) (j = 0 when the mean is ≤ τ).
+`token_lag` [B, T] is the policy version being trained minus the version that produced each
+token (0 for fresh tokens; a trajectory updated in flight has two or more lags).
 
 GSPO's sequence loss is written on each of the sequence's tokens, so the aggregations below
 apply to it unchanged (seq_mean_token_mean gives exactly the mean of sequence losses). Token
@@ -63,8 +78,10 @@ from torch import Tensor
 
 from asyncrl.config import LossConfig
 
-NEEDS_PROXIMAL = ("decoupled_ppo", "truncated_is", "masked_is")
+NEEDS_PROXIMAL = ("decoupled_ppo", "truncated_is", "masked_is", "m2po")
 """Losses that use π_prox (the others ignore it)."""
+NEEDS_LAG = ("stale_clip",)
+"""Losses that use each token's version lag (`token_lag`)."""
 
 
 class TokenTerms(NamedTuple):
@@ -91,14 +108,17 @@ def policy_loss(
     num_samples_total: int | None = None,
     max_tokens: int | None = None,
     num_tokens_total: float | None = None,
+    token_lag: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss of `cfg.name` aggregated by `cfg.aggregation`, and its diagnostics.
 
     Shapes: logprobs, proximal_logprobs, behavior_logprobs, mask [B, T]; advantages [B] or
-    [B, T]. Values outside the mask are ignored (they may be padding, even non-finite).
+    [B, T]; token_lag [B, T] (needed by stale_clip only). Values outside the mask are ignored
+    (they may be padding, even non-finite).
     """
     _validate_counts(num_samples_total, max_tokens, num_tokens_total, logprobs)
     m = _validate_inputs(logprobs, proximal_logprobs, behavior_logprobs, advantages, mask, cfg)
+    lag = _validate_lag(token_lag, m, cfg)
     lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
     beh = torch.where(m, behavior_logprobs.detach(), 0.0)
     prox = beh if proximal_logprobs is None else torch.where(m, proximal_logprobs.detach(), 0.0)
@@ -106,7 +126,10 @@ def policy_loss(
     adv = torch.where(m, adv if adv.dim() == 2 else adv[:, None].expand_as(lp), 0.0)
     if cfg.name not in _OBJECTIVES:
         raise ValueError(f"cfg.name: unknown loss {cfg.name!r} (known: {', '.join(_OBJECTIVES)})")
-    terms = _OBJECTIVES[cfg.name](lp, prox, beh, adv, m, cfg)
+    if cfg.name == "stale_clip":
+        terms = _stale_clip(lp, beh, adv, m, cfg, lag)
+    else:
+        terms = _OBJECTIVES[cfg.name](lp, prox, beh, adv, m, cfg)
     mf = m.to(lp.dtype)
     loss = _aggregate(terms.loss * mf, mf, cfg, num_samples_total, max_tokens, num_tokens_total)
     stats = _diagnostics(terms, prox, beh, m)
@@ -114,10 +137,14 @@ def policy_loss(
     return loss, stats
 
 
-def _clip_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """PPO's pessimistic surrogate -min(ratio A, clip(ratio) A) and where the clip is active."""
+def _clip_surrogate(
+    ratio: Tensor, adv: Tensor, cfg: LossConfig, scale: Tensor | float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate -min(ratio A, clip(ratio) A) and where the clip is active;
+    `scale` multiplies both clip ranges (per token when a tensor)."""
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    low, high = 1.0 - cfg.clip_low * scale, 1.0 + cfg.clip_high * scale
+    clipped = torch.clamp(ratio, low, high) * adv
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
@@ -142,11 +169,39 @@ def _decoupled(
     elif cfg.name == "truncated_is":
         dropped = torch.zeros_like(m)
         weight = torch.clamp(w, max=cfg.is_cap)
+    elif cfg.name == "m2po":
+        dropped = _m2_mask(prox - beh, m, cfg.m2_bound)
+        weight = torch.where(dropped, 0.0, w)
     else:
         assert cfg.name == "masked_is", cfg.name
         dropped = (w < cfg.mask_low) | (w > cfg.mask_high)
         weight = (~dropped).to(lp.dtype)
     return TokenTerms(loss * weight, ratio.detach(), clipped & ~dropped, dropped & m)
+
+
+@torch.no_grad()
+def _m2_mask(d: Tensor, m: Tensor, bound: float) -> Tensor:
+    """[B, T] bool: M2PO's dropped tokens, the fewest of largest d² leaving Σ d² / n ≤ bound."""
+    sq = torch.where(m, d.double() ** 2, -1.0).flatten()  # padding sorts last, never dropped
+    order = torch.argsort(sq, descending=True, stable=True)
+    s = sq[order][: int(m.sum())]
+    n = s.shape[0]
+    left = s.sum() - torch.cat([s.new_zeros(1), torch.cumsum(s, 0)])  # Σ_{i>j} s_i, j = 0..n
+    kept = torch.arange(n, -1, -1, dtype=s.dtype)  # n - j
+    j = int(torch.nonzero(left <= bound * kept + 1e-12)[0])  # j = n always qualifies
+    dropped = torch.zeros_like(sq, dtype=torch.bool)
+    dropped[order[:j]] = True
+    return dropped.view_as(m)
+
+
+def _stale_clip(
+    lp: Tensor, beh: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig, lag: Tensor
+) -> TokenTerms:
+    ratio = torch.exp(lp - beh)
+    kappa_lag = abs(cfg.clip_lag_scale) * lag.to(lp.dtype)
+    scale = 1.0 + kappa_lag if cfg.clip_lag_scale >= 0 else 1.0 / (1.0 + kappa_lag)
+    loss, clipped = _clip_surrogate(ratio, adv, cfg, scale)
+    return TokenTerms(loss, ratio.detach(), clipped, torch.zeros_like(m))
 
 
 def _gspo(
@@ -180,6 +235,8 @@ _OBJECTIVES: dict[str, _Objective] = {
     "masked_is": _decoupled,
     "gspo": _gspo,
     "cispo": _cispo,
+    "m2po": _decoupled,
+    "stale_clip": _ppo,  # dispatched with the lags in policy_loss; listed for the name check
 }
 
 
@@ -269,6 +326,22 @@ def _validate_inputs(
         if not bool(torch.isfinite(tensor.detach()[used]).all()):
             raise ValueError(f"{name}: must be finite where mask is set (found nan or inf)")
     return m
+
+
+def _validate_lag(token_lag: Tensor | None, m: Tensor, cfg: LossConfig) -> Tensor:
+    """token_lag as a [B, T] tensor (zeros when not given to a loss that ignores it)."""
+    if token_lag is None:
+        if cfg.name in NEEDS_LAG:
+            raise ValueError(f"token_lag: required by loss {cfg.name!r}")
+        return torch.zeros(m.shape, dtype=torch.int64, device=m.device)
+    _check_tensor("token_lag", token_lag, floating=False)
+    if token_lag.shape != m.shape:
+        raise ValueError(
+            f"token_lag: shape {tuple(token_lag.shape)} != logprobs shape {tuple(m.shape)}"
+        )
+    if bool((token_lag[m] < 0).any()):
+        raise ValueError("token_lag: must be >= 0 where mask is set")
+    return torch.where(m, token_lag.to(m.device), 0)
 
 
 def _check_tensor(name: str, value: object, *, floating: bool) -> None:

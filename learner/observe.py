@@ -6,7 +6,8 @@ evaluation results, and optional Weights & Biases logging.
     before_step(batch)  ── a sampled step? one group's learner logprobs (π at the step's start)
     optimize(batch)
     after_step(batch, row)
-       ├─ AlarmMonitor.observe(row) ── alarm ──> warning + alarms.jsonl + AlarmRaised to the hub
+       ├─ AlarmMonitor.observe(row), the reward monitor's alarms
+       │      ──> warning + alarms.jsonl + AlarmRaised to the hub
        │                                          action: warn | pause (hub) | stop (checkpoint)
        ├─ outliers (reward or length far from recent steps) and an alarm's batch ──> flagged shard
        ├─ the sampled group ──> sample shard (asyncrl/trajectory_store.py)
@@ -27,6 +28,7 @@ import collections
 import json
 import math
 import queue
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,10 +84,14 @@ class LearnerObserver:
         group = batch.groups[(step // self.cfg.trajectories.sample_every_steps) % len(batch.groups)]
         self.sample = ([group], self.learner_logprobs([group]))
 
-    def after_step(self, batch: Batch, row: dict[str, Any]) -> None:
-        """Alarms and their actions, the store's shards, W&B."""
+    def after_step(
+        self, batch: Batch, row: dict[str, Any], reward_alarms: Sequence[Alarm] = ()
+    ) -> None:
+        """Alarms (the stability detectors' and the reward monitor's) and their actions, the
+        store's shards, W&B."""
         step = self.learner.step
         alarms = self.monitor.observe({"step": step, **row}) if self.monitor else []
+        alarms += reward_alarms
         for alarm in alarms:
             self.raise_alarm(alarm)
         self.keep(batch, alarms)

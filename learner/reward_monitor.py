@@ -7,11 +7,15 @@
                    reward/canary_alarms known-wrong canaries that earned reward (actors)
        |
        v  history of the last 2 x reward.alarm_window_steps steps
-  alarms (a line "ALARM ..." in the learner's log + run_dir/alarms.jsonl, with evidence):
-    reward_jump_collapse  the reward mean rose by > alarm_reward_jump between the two windows
-                          while response length or entropy fell by > alarm_collapse_ratio
-    saturated:<name>      a component with one value and no spread for alarm_saturate_steps
-    canary                an actor's canary alarm, repeated here with its evidence
+  alarms (`Alarm` records named reward:<kind>, with evidence; the learner's observer raises
+  them like its stability alarms: a log line, run_dir/alarms.jsonl, the hub's status, and the
+  action alarms.stop_on / pause_on give the name):
+    reward:reward_jump_collapse  the reward mean rose by > alarm_reward_jump between the two
+                                 windows while response length or entropy fell by
+                                 > alarm_collapse_ratio
+    reward:saturated:<name>      a component with one value and no spread for
+                                 alarm_saturate_steps
+    reward:canary                an actor's canary alarm, repeated here with its evidence
   provenance: each new reward provenance seen (rule hash, reward-model checkpoint, rubric hash)
   is appended to run_dir/reward_provenance.jsonl with the step it first appeared at
 ```
@@ -25,13 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.alarms import Alarm
 from asyncrl.config import RewardConfig
 from asyncrl.protocol import Group
 
@@ -39,19 +42,22 @@ from asyncrl.protocol import Group
 class RewardMonitor:
     """Turns each step's groups into reward metrics and raises the run-level alarms."""
 
-    def __init__(self, cfg: RewardConfig, run_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, cfg: RewardConfig, run_dir: Path | None = None) -> None:
         self.cfg = cfg
-        self.path = run_dir / "alarms.jsonl" if run_dir is not None else None
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.run_dir = run_dir
         self.history: deque[dict[str, float]] = deque(maxlen=2 * cfg.alarm_window_steps)
         self.flat: dict[str, int] = Counter()
-        self.alarms: list[dict[str, Any]] = []
+        self.version = 0  # the policy version of the step being checked
+        self.alarms: list[Alarm] = []
+        """Every alarm raised so far."""
+        self.fresh: list[Alarm] = []
+        """Alarms not yet taken by the caller (`take_alarms`)."""
         self.raised: set[str] = set()
         self.provenances: set[str] = set()
 
     def step(self, step: int, groups: Sequence[Group], row: dict[str, Any]) -> dict[str, float]:
         """The reward metrics of this step (merged into its metrics row by the caller)."""
+        self.version = int(row.get("policy_version", step))
         out = component_means(groups)
         flags: Counter[str] = Counter()
         failed = canaries = 0
@@ -119,17 +125,21 @@ class RewardMonitor:
         if key in self.provenances:
             return
         self.provenances.add(key)
-        if self.path is not None:
-            with (self.path.parent / "reward_provenance.jsonl").open("a") as f:
+        if self.run_dir is not None:
+            with (self.run_dir / "reward_provenance.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step, "provenance": provenance}) + "\n")
 
     def alarm(self, step: int, kind: str, evidence: dict[str, Any]) -> None:
-        record = {"step": step, "time": time.time(), "alarm": kind, "evidence": evidence}
-        self.alarms.append(record)
-        self.log(f"ALARM reward {kind} at step {step}: {json.dumps(evidence)}")
-        if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        message = f"reward alarm {kind}: " + json.dumps(evidence, default=str)[:300]
+        alarm = Alarm(name=f"reward:{kind}", step=step, policy_version=self.version,
+                      message=message, evidence=evidence)  # fmt: skip
+        self.alarms.append(alarm)
+        self.fresh.append(alarm)
+
+    def take_alarms(self) -> list[Alarm]:
+        """The alarms raised since the last call (for the learner's observer to raise)."""
+        fresh, self.fresh = self.fresh, []
+        return fresh
 
 
 def component_means(groups: Sequence[Group]) -> dict[str, float]:

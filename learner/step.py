@@ -55,11 +55,15 @@ class StepRunner:
         self.optimizer = optimizer
         self.pad_id = pad_id
         self.ranks = ranks
+        self.version = 0
+        """The policy version being trained (the batch's): token lags are counted from it."""
 
     def optimize(self, batch: Batch) -> dict[str, float]:
         """Train on this rank's share of `batch`; statistics are the step's (all ranks')."""
         first, last = shard_groups(len(batch.groups), self.ranks.rank, self.ranks.world)
         data = collate(batch.groups[first:last], self.pad_id)
+        self.version = batch.policy_version
+        lr = self.set_learning_rate(data)
         advantages = self.advantages(batch.groups[first:last], data)
         parts = self.cfg.learner.minibatches
         needs = parts > 1 and self.cfg.loss.name in NEEDS_PROXIMAL
@@ -73,6 +77,7 @@ class StepRunner:
                     sums[key] = max(sums.get(key, 0.0), value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value * (stop - start) / data.num_rows
+        sums["lr"] = lr
         if not self.ranks.distributed:
             return sums
         total_rows = sum(g.size for g in batch.groups)
@@ -105,6 +110,24 @@ class StepRunner:
         sums["grad_norm"] = self.clip_gradients()
         self.optimizer.step()
         return sums
+
+    def set_learning_rate(self, data: TrainBatch) -> float:
+        """learner.lr / (1 + κ·ℓ) on every parameter group, ℓ = the mean token lag of the step
+        (over all ranks), κ = learner.lr_staleness_decay; returns the rate."""
+        learner = self.cfg.learner
+        lr = learner.lr
+        if learner.lr_staleness_decay > 0:
+            lag = (self.version - data.token_versions).clamp(min=0).to(torch.float64)
+            sums = torch.stack([(lag * data.mask).sum(), data.mask.sum().to(torch.float64)])
+            if self.ranks.distributed:
+                sums = sums.to(comm_device())
+                dist.all_reduce(sums)
+                sums = sums.cpu()
+            mean_lag = float(sums[0] / sums[1].clamp(min=1.0))
+            lr = learner.lr / (1.0 + learner.lr_staleness_decay * mean_lag)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def global_totals(self, mask: torch.Tensor, num_rows: int) -> dict[str, Any]:
         """Loss denominators: the minibatch's counts over all ranks, divided by the world size
@@ -177,6 +200,7 @@ class StepRunner:
             advantages.to(device),
             mask,
             self.cfg.loss,
+            token_lag=(self.version - mb.token_versions).clamp(min=0).to(device),
             **totals,
         )
         (loss * scale if scale != 1.0 else loss).backward()

@@ -1,10 +1,11 @@
 """The hub's write-ahead log: records, group commit, snapshots, recovery (`replay.durability`).
 
     HubState op --journal--> WriteAheadLog.append  (kept in memory: a list of buffers)
-    end of each loop turn --> commit(): one writev of every pending record; the fsync runs on
-                              the syncer thread (the loop goes on receiving meanwhile) and
-                              wakes the loop through a pipe; the hub releases a turn's Acks
-                              and Batches once `durable_lsn` covers that turn's records
+    end of each loop turn --> commit(): the pending records go to the syncer thread, which
+                              writes them (writev, no copy but the kernel's) and fsyncs, one
+                              fsync for everything queued meanwhile (the loop goes on
+                              receiving), then wakes the loop through a pipe; the hub releases
+                              a turn's Acks and Batches once `durable_lsn` covers its records
     log > snapshot_log_bytes --> snapshot(): state + groups to snapshot.tmp, fsync, rename;
                                  a new log segment starts and the old one is deleted
 
@@ -115,12 +116,16 @@ class TornRecord(Exception):
 
 
 class Syncer:
-    """fsync on a thread of its own: `request(fd, lsn)` asks for everything written so far to
-    reach the disk; `synced` then covers `lsn`, and a byte on `wake_fd` says so."""
+    """Writes and fsyncs on a thread of its own: `request(fd, lsn, buffers)` queues `buffers`
+    for `fd` and asks for everything up to `lsn` to reach the disk; `synced` then covers `lsn`,
+    and a byte on `wake_fd` says so. Copying records into the page cache is a commit's largest
+    cost after the fsync (most of a durable hub's loop time when the loop did it), so the
+    hub's loop does neither."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.fd, self.target, self.synced = -1, 0, 0
+        self.queue: list[Any] = []  # buffers to write to `fd` before the next fsync
         self.error: OSError | None = None
         self.stopping = False
         self.wake_fd, self._wake_w = os.pipe()
@@ -129,9 +134,11 @@ class Syncer:
         self.thread = threading.Thread(target=self._run, name="asyncrl-wal-fsync", daemon=True)
         self.thread.start()
 
-    def request(self, fd: int, lsn: int) -> None:
+    def request(self, fd: int, lsn: int, buffers: list[Any]) -> None:
         with self.cond:
+            assert fd == self.fd or not self.queue, "a new log segment before the old one synced"
             self.fd, self.target = fd, max(self.target, lsn)
+            self.queue.extend(buffers)
             self.cond.notify_all()
 
     def wait(self, lsn: int) -> None:
@@ -146,7 +153,9 @@ class Syncer:
                 if self.target <= self.synced:
                     return  # stopping, nothing left to sync
                 fd, target = self.fd, self.target
+                buffers, self.queue = self.queue, []
             try:
+                write_buffers(fd, buffers)
                 os.fsync(fd)
             except OSError as exc:  # the disk failed: the hub stops acknowledging and exits
                 with self.cond:
@@ -179,7 +188,8 @@ class Syncer:
 
 class WriteAheadLog:
     """The log of one hub state directory; `journal` is what HubState records through. With
-    `background`, fsyncs run on a `Syncer` thread (the hub's loop); without, in `commit`."""
+    `background`, writes and fsyncs run on a `Syncer` thread (the hub's loop); without, in
+    `commit`."""
 
     def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
                  background: bool = False) -> None:  # fmt: skip
@@ -195,7 +205,7 @@ class WriteAheadLog:
         self.fd = -1
         self.pending: list[Any] = []
         self.lsn = 0  # bytes appended by this process (log position of the latest record)
-        self.written_lsn = 0  # handed to the kernel
+        self.written_lsn = 0  # handed to the kernel (with a syncer: to the syncer)
         self.syncer = Syncer() if fsync and background else None
         self.log_bytes = 0  # size of the current segment, pending records included
         self.num_commits = 0
@@ -219,17 +229,13 @@ class WriteAheadLog:
         if not self.pending:
             return self.durable_lsn
         pending, self.pending = self.pending, []
-        for i in range(0, len(pending), IOV_MAX):
-            chunk = pending[i : i + IOV_MAX]
-            written = os.writev(self.fd, chunk)
-            total = sum(memoryview(p).nbytes for p in chunk)
-            if written < total:  # a short write (a signal, a full pipe): write the rest plainly
-                os.write(self.fd, b"".join(bytes(memoryview(p)) for p in chunk)[written:])
+        if self.syncer is not None:  # written and fsynced on the syncer thread
+            self.syncer.request(self.fd, self.lsn, pending)
+        else:
+            write_buffers(self.fd, pending)
+            if self.fsync:
+                os.fsync(self.fd)
         self.written_lsn = self.lsn
-        if self.syncer is not None:
-            self.syncer.request(self.fd, self.lsn)
-        elif self.fsync:
-            os.fsync(self.fd)
         self.num_commits += 1
         return self.durable_lsn
 
@@ -343,6 +349,16 @@ def _load_snapshot(path: Path, state: HubState) -> tuple[int, int]:
             raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
     state.restore(head["meta"], groups)
     return head["log_id"], len(groups)
+
+
+def write_buffers(fd: int, buffers: list[Any]) -> None:
+    """Write `buffers` in order, one writev per IOV_MAX of them (no copies in user space)."""
+    for i in range(0, len(buffers), IOV_MAX):
+        chunk = buffers[i : i + IOV_MAX]
+        written = os.writev(fd, chunk)
+        total = sum(memoryview(p).nbytes for p in chunk)
+        if written < total:  # a short write (a signal, a full disk): write the rest plainly
+            os.write(fd, b"".join(bytes(memoryview(p)) for p in chunk)[written:])
 
 
 def _write_all(f: BinaryIO, parts: list[Any]) -> None:

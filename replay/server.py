@@ -82,7 +82,7 @@ from asyncrl.protocol import (
     decode,
     encode,  # fmt: skip
 )
-from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_parts
+from asyncrl.transport import NOBLOCK, bind_router, keep_freed_buffers, recv_routed
 from replay import observer
 from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
@@ -227,10 +227,10 @@ class Hub:
         sock, handle = self.sock, self.handle
         for _ in range(limit):
             try:
-                frames = recv_parts(sock, NOBLOCK)
+                identity, frames = recv_routed(sock, NOBLOCK)
             except zmq.Again:
                 break
-            handle(frames[0].bytes, frames[1:])
+            handle(identity, frames)
         for identity, ack in self.clients.acks_due():
             self.send_committed(identity, ack)
 

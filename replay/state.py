@@ -49,6 +49,10 @@ class SeqWindow:
         return seq < self.floor or seq in self.above
 
     def add(self, seq: int) -> None:
+        if seq == self.floor and not self.above:  # the usual case: the next seq, in order
+            self.floor = seq + 1
+            self.top = max(self.top, seq)
+            return
         self.above.add(seq)
         self.top = max(self.top, seq)
         while self.floor in self.above:
@@ -150,7 +154,10 @@ class HubState:
             self.credits.spend(holder, group.credit_id)
         else:
             self.counters["groups_adopted"] += 1  # completed work for an earlier hub's credit
-        self.windows.setdefault(group.actor_id, SeqWindow()).add(group.seq)
+        window = self.windows.get(group.actor_id)
+        if window is None:
+            window = self.windows[group.actor_id] = SeqWindow()
+        window.add(group.seq)
         if result is InsertResult.STORED:
             self.counters["groups_stored"] += 1
         elif result is InsertResult.STALE:
@@ -194,8 +201,9 @@ class HubState:
         groups, dropped = self.buffer.sample(self.policy_version, num_groups, durable_lsn)
         self.dropped(dropped)
         if groups:
-            keys = [[g.actor_id, g.seq] for g in groups]
-            self._record("hand_out", {"request_id": request_id, "keys": keys})
+            if self.journal is not None:
+                keys = [[g.actor_id, g.seq] for g in groups]
+                self._record("hand_out", {"request_id": request_id, "keys": keys})
             self._lend(request_id, groups)
         return groups
 

@@ -8,7 +8,7 @@ top-p), as float32. It also swaps in new weights (`load_weights`) and reports th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -65,6 +65,29 @@ class Sample:
         if self.versions is not None:
             return self.versions
         return np.full(len(self.completion_tokens), self.policy_version, dtype=np.int32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Continue:
+    """A turn handler's answer: the sequence goes on in the same generate call.
+
+    `tokens` (the environment's, not sampled) are appended to the context after the turn that
+    just ended, and the next turn is sampled from there with its own token budget and seed.
+    """
+
+    tokens: Sequence[int]
+    """Token ids appended after the ended turn (may be empty)."""
+    max_new_tokens: int
+    """Token limit of the next turn (>= 1)."""
+    seed: int | None = None
+    """Sampling seed of the next turn; None = the engine's own stream."""
+
+
+TurnHandler = Callable[[int, int, Sample], "Continue | Literal['keep', 'end']"]
+"""`on_turn(request_index, sample_index, sample)` of engines that continue sequences within a
+call (`supports_turns`): called as each sample's turn ends; answers `Continue(...)` to go on
+now, "keep" to keep the sequence's KV cache under its `cache_keys` entry for a later call, or
+"end"."""
 
 
 class Engine(Protocol):

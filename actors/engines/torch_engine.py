@@ -39,12 +39,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from actors.engines.base import GenerationRequest, Sample
+from actors.engines.base import Continue, GenerationRequest, Sample, TurnHandler
 from actors.engines.kv_store import KvStore, batched_cache, row_entry
+from actors.engines.torch_rows import DecodeRows
 from asyncrl.weights.hf_layout import checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,6 +94,8 @@ class TorchEngine:
         self.kv = KvStore()
         """KV caches kept between calls for requests that name `cache_keys`."""
         self.supports_kv_reuse = True
+        self.supports_turns = True
+        """`generate` takes `on_turn` (sequences continue within a call)."""
 
     @property
     def policy_version(self) -> int:
@@ -153,107 +155,100 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- sampling
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
-        """Sample `request.n` completions per request; result[i] belongs to requests[i]."""
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_turn: TurnHandler | None = None
+    ) -> list[list[Sample]]:
+        """Sample `request.n` completions per request; result[i] belongs to requests[i].
+
+        With `on_turn`, each sample's turn is handed over as it ends and may continue in this
+        call (`Continue`: multi-turn episodes without leaving the decoding loop); the result
+        then holds each sample's last turn.
+        """
         if not requests:
             return []
         for i, req in enumerate(requests):
             _check_request(i, req)
         with torch.inference_mode():
-            tokens, logprobs, lengths, stopped, versions = self._sample_batch(requests)
-        return self._to_samples(requests, tokens, logprobs, lengths, stopped, versions)
+            rows = self._decode(requests, on_turn)
+        return rows.results()
 
-    def _sample_batch(
-        self, requests: Sequence[GenerationRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        dev = self._device
-        row_req = torch.repeat_interleave(
-            torch.arange(len(requests), device=dev),
-            torch.tensor([r.n for r in requests], device=dev),
-        )
-        num_rows, max_new = len(row_req), max(r.max_new_tokens for r in requests)
-        temps = torch.tensor([r.temperature for r in requests], device=dev)[row_req]
-        top_ps = torch.tensor([r.top_p for r in requests], device=dev)[row_req]
-        row_max = torch.tensor([r.max_new_tokens for r in requests], device=dev)[row_req]
-        stop_table = _stop_table(requests, dev)[row_req]
-        seeded = {
-            i: _request_generator(r, dev) for i, r in enumerate(requests) if r.seed is not None
-        }
-
-        keeping = any(r.cache_keys for r in requests)
+    def _decode(
+        self, requests: Sequence[GenerationRequest], on_turn: TurnHandler | None
+    ) -> DecodeRows:
+        rows = DecodeRows(requests, self._device)
         cache, logits, mask = self._prefill_reusing(requests)
-        cache.batch_select_indices(row_req)
-        logits, mask = logits[row_req], mask[row_req]
+        cache.batch_select_indices(rows.row_req)
+        logits, mask = logits[rows.row_req], mask[rows.row_req]
         positions = mask.sum(dim=1, keepdim=True) - 1
-
-        out_tokens = torch.full((num_rows, max_new), self._pad_id, dtype=torch.long, device=dev)
-        out_logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
-        lengths = torch.zeros(num_rows, dtype=torch.long, device=dev)
-        stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
-        active = torch.arange(num_rows, device=dev)  # rows still running, in batch order
-        versions = None  # [rows, max_new] once weights change mid-generation
-        for step in range(max_new):
-            noise = self._noise(row_req, seeded, logits.shape[-1])[active]
-            token, logprob = _sample(logits, temps[active], top_ps[active], noise)
-            out_tokens[active, step], out_logprobs[active, step] = token, logprob
-            if versions is not None:
-                versions[active, step] = self._policy_version
-            lengths[active] = step + 1
-            hit_stop = (token.unsqueeze(1) == stop_table[active]).any(dim=1)
-            stopped[active] = hit_stop
-            keep = ~hit_stop & (row_max[active] > step + 1)
-            if keeping:
-                self._keep_caches(requests, row_req, active, keep, cache, mask, out_tokens, step)
+        active = torch.arange(rows.num_rows, device=self._device)  # rows in the batch, in order
+        parked: dict[int, list[int]] = {}  # continued rows: the input their next turn starts with
+        step = 0
+        while True:
+            noise = rows.noise(self._generator, logits.shape[-1], skip=parked)[active]
+            token, logprob = _sample(logits, rows.temps[active], rows.top_ps[active], noise)
+            live = _not_in(active, parked)
+            rows.record(active[live], step, token[live], logprob[live], self._policy_version)
+            stopped, ended = rows.turn_ends(active, step, token)
+            ended &= live
+            keep = ~ended
+            for pos in ended.nonzero().squeeze(1).tolist():
+                row = int(active[pos])
+                verdict = self._end_turn(rows, row, step, bool(stopped[pos]), on_turn)
+                if isinstance(verdict, Continue):
+                    keep[pos], parked[row] = True, [int(token[pos]), *verdict.tokens]
+                elif verdict == "keep" and rows.cache_key(row):
+                    tokens = rows.context(row, step)  # the last token is not in the cache yet
+                    entry = row_entry(cache, pos, mask[pos], tokens, self._policy_version)
+                    self.kv.save(rows.cache_key(row), entry)
             if not bool(keep.any()):
-                break
+                return rows
             if not bool(keep.all()):
                 cache.batch_select_indices(keep.nonzero().squeeze(1))
                 active, token, mask, positions = (
-                    active[keep],
-                    token[keep],
-                    mask[keep],
-                    positions[keep],
-                )
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            positions = positions + 1
+                    active[keep], token[keep], mask[keep], positions[keep],
+                )  # fmt: skip
+            step += 1
             version = self._policy_version
             if self.between_steps is not None:
                 self.between_steps()
             if self._policy_version != version:  # new weights: recompute the cache under them
-                if versions is None:
-                    versions = torch.full(
-                        (num_rows, max_new), version, dtype=torch.int32, device=dev
-                    )
-                cache, logits, mask = self._recompute(
-                    requests, row_req, active, out_tokens, step + 1
-                )
+                cache, logits, mask = self._recompute([rows.context(int(r), step)
+                                                       for r in active.tolist()])  # fmt: skip
                 positions = mask.sum(dim=1, keepdim=True) - 1
+                rows.start_turns(parked, step)
+                parked.clear()
                 continue
-            logits = self._forward(token.unsqueeze(1), mask, positions, cache)
-        return out_tokens, out_logprobs, lengths, stopped, versions
+            flush = 2 * len(parked) >= len(active)  # enough continued rows wait: feed them all
+            ids, new_mask, positions = _next_inputs(active, token, positions, parked, flush)
+            if flush:
+                rows.start_turns(parked, step)
+                parked.clear()
+            mask = torch.cat([mask, new_mask], dim=1)
+            logits = self._forward(ids, mask, positions, cache)
+            positions = positions[:, -1:]
+
+    def _end_turn(
+        self, rows: DecodeRows, row: int, step: int, stopped: bool, on_turn: TurnHandler | None
+    ) -> Continue | str:
+        """The verdict on a row whose turn ended: continue it now, keep its cache, or end."""
+        sample = rows.end_turn(row, step, stopped)
+        if on_turn is None:
+            return "keep"
+        verdict = on_turn(*rows.member(row), sample)
+        if isinstance(verdict, Continue):
+            rows.continue_turn(row, step, verdict)
+        elif verdict not in ("keep", "end"):
+            raise ValueError(f"on_turn: must return Continue, 'keep' or 'end', got {verdict!r}")
+        return verdict
 
     def _recompute(
-        self,
-        requests: Sequence[GenerationRequest],
-        row_req: torch.Tensor,
-        active: torch.Tensor,
-        out_tokens: torch.Tensor,
-        done: int,
+        self, contexts: list[list[int]]
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """A fresh KV cache of the running rows' prompt + first `done` tokens under the weights
-        loaded now, the logits of their next token and the attention mask (rows in order)."""
+        """A fresh KV cache of the running rows' contexts under the weights loaded now, the
+        logits of their next token and the attention mask (rows in order)."""
         start = time.perf_counter()
-        rows = [
-            GenerationRequest(
-                prompt_tokens=[
-                    *requests[int(row_req[r])].prompt_tokens,
-                    *out_tokens[r, :done].tolist(),
-                ],
-            )  # fmt: skip
-            for r in active.tolist()
-        ]
         cache = DynamicCache(config=self.model.config)
-        logits, mask = self._prefill(rows, cache)
+        logits, mask = self._prefill([GenerationRequest(prompt_tokens=c) for c in contexts], cache)
         self.inflight_recompute_s += time.perf_counter() - start
         self.inflight_updates += 1
         return cache, logits, mask
@@ -283,30 +278,6 @@ class TorchEngine:
         mask = torch.cat([cached_mask, new_mask.to(self._device)], dim=1)
         logits = self._forward(ids.to(self._device), mask, positions.to(self._device), cache)
         return cache, logits, mask
-
-    def _keep_caches(
-        self,
-        requests: Sequence[GenerationRequest],
-        row_req: torch.Tensor,
-        active: torch.Tensor,
-        keep: torch.Tensor,
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        out_tokens: torch.Tensor,
-        step: int,
-    ) -> None:
-        """Keep the caches of the rows that finish at this step (their last sampled token is
-        not in the cache: the next request brings it with the new tokens)."""
-        first_row = torch.cumsum(torch.tensor([0] + [r.n for r in requests[:-1]]), 0)
-        for pos in (~keep).nonzero().squeeze(1).tolist():
-            row = int(active[pos])
-            req_index = int(row_req[row])
-            request = requests[req_index]
-            if not request.cache_keys:
-                continue
-            key = request.cache_keys[row - int(first_row[req_index])]
-            tokens = [*request.prompt_tokens, *out_tokens[row, :step].tolist()]
-            self.kv.save(key, row_entry(cache, pos, mask[pos], tokens, self._policy_version))
 
     def release(self, keys: Sequence[str]) -> None:
         """Forget the caches kept under these keys (their sequences will not continue)."""
@@ -340,54 +311,6 @@ class TorchEngine:
         )
         return out.logits[:, -1, :].float()
 
-    def _noise(
-        self, row_req: torch.Tensor, seeded: dict[int, torch.Generator], vocab: int
-    ) -> torch.Tensor:
-        """Exp(1) noise [rows, V]: per-request streams for seeded requests, the engine's else."""
-        noise = torch.empty((len(row_req), vocab), device=self._device)
-        noise.exponential_(generator=self._generator)
-        for req_index, gen in seeded.items():
-            rows = (row_req == req_index).nonzero().squeeze(1)
-            noise[rows] = torch.empty((len(rows), vocab), device=self._device).exponential_(
-                generator=gen
-            )
-        return noise
-
-    def _to_samples(
-        self,
-        requests: Sequence[GenerationRequest],
-        tokens: torch.Tensor,
-        logprobs: torch.Tensor,
-        lengths: torch.Tensor,
-        stopped: torch.Tensor,
-        versions: torch.Tensor | None = None,
-    ) -> list[list[Sample]]:
-        tokens_np = tokens.cpu().numpy().astype(np.int32)
-        versions_np = None if versions is None else versions.cpu().numpy().astype(np.int32)
-        logprobs_np = logprobs.cpu().numpy()
-        lengths_np, stopped_np = lengths.cpu().numpy(), stopped.cpu().numpy()
-        results: list[list[Sample]] = []
-        row = 0
-        for req in requests:
-            group = []
-            for _ in range(req.n):
-                length = int(lengths_np[row])
-                row_versions = None if versions_np is None else versions_np[row, :length].copy()
-                group.append(
-                    Sample(
-                        completion_tokens=tokens_np[row, :length].copy(),
-                        logprobs=logprobs_np[row, :length].copy(),
-                        finish_reason="stop" if stopped_np[row] else "length",
-                        policy_version=(
-                            self._policy_version if row_versions is None else int(row_versions[0])
-                        ),
-                        versions=row_versions,
-                    )
-                )
-                row += 1
-            results.append(group)
-        return results
-
 
 def process_logits(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
@@ -418,17 +341,47 @@ def _sample(
     return token, logp.gather(1, token.unsqueeze(1)).squeeze(1)
 
 
-def _stop_table(requests: Sequence[GenerationRequest], device: torch.device) -> torch.Tensor:
-    """Stop ids per request [R, S], padded with -1 (never a token id)."""
-    width = max(1, max(len(r.stop_token_ids) for r in requests))
-    table = torch.full((len(requests), width), -1, dtype=torch.long)
-    for i, req in enumerate(requests):
-        table[i, : len(req.stop_token_ids)] = torch.tensor(req.stop_token_ids, dtype=torch.long)
-    return table.to(device)
+def _not_in(active: torch.Tensor, rows: dict[int, list[int]]) -> torch.Tensor:
+    """bool [A]: which of the batch's rows are not among `rows`."""
+    if not rows:
+        return torch.ones(len(active), dtype=torch.bool, device=active.device)
+    return ~torch.isin(active, torch.tensor(list(rows), device=active.device))
 
 
-def _request_generator(req: GenerationRequest, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(int(req.seed))
+def _next_inputs(
+    active: torch.Tensor,
+    token: torch.Tensor,
+    positions: torch.Tensor,
+    parked: dict[int, list[int]],
+    flush: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next forward's input ids, new mask columns and positions [A, W].
+
+    Each running row feeds its sampled token. A continued row waits (`parked`: a masked pad
+    column, its position unchanged) until `flush`, when it feeds its last sampled token and the
+    tokens its environment appended in one go, right-aligned (the padding on the left masked).
+    Feeding continued rows together keeps the forward one token wide on most steps.
+    """
+    if not parked:
+        return token.unsqueeze(1), torch.ones_like(token).unsqueeze(1), positions + 1
+    waiting = ~_not_in(active, parked)
+    if not flush:
+        ids = token.masked_fill(waiting, 0).unsqueeze(1)
+        step = (~waiting).long().unsqueeze(1)
+        return ids, step, positions + step
+    rows = active.tolist()
+    width = max(len(t) for t in parked.values())
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    tokens, last = token.tolist(), positions.squeeze(1).tolist()
+    for i, row in enumerate(rows):
+        seq = parked.get(row, [tokens[i]])
+        ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq) :] = 1
+        pos[i, width - len(seq) :] = torch.arange(last[i] + 1, last[i] + 1 + len(seq))
+    dev = token.device
+    return ids.to(dev), mask.to(dev), pos.to(dev)
 
 
 def _check_request(index: int, req: GenerationRequest) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from token_checks import episode_group
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from actors.engines.base import GenerationRequest, Sample
@@ -27,7 +28,6 @@ from actors.engines.torch_engine import TorchEngine
 from actors.envs.base import Observation, Row, Step
 from actors.episodes import Episode, EpisodeGroup, EpisodeLimits, EpisodeRunner
 from asyncrl.config import ModelConfig, TaskConfig
-from asyncrl.protocol import Group, Trajectory
 from learner.batching import collate, token_logprobs
 
 EXTRA = "?=!<>|SUATX"
@@ -120,19 +120,6 @@ def with_template(model_dir: Path, template: str) -> PreTrainedTokenizerFast:
     return tok
 
 
-def to_group(group: EpisodeGroup) -> Group:
-    trajectories = []
-    for ep in group.episodes:
-        tokens, mask, logprobs = ep.trajectory()
-        trajectories.append(Trajectory(
-            tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask, behavior_logprobs=logprobs,
-            reward=ep.reward, min_policy_version=0, max_policy_version=0,
-            finish_reason=ep.finish_reason, num_turns=ep.num_turns,
-        ))  # fmt: skip
-    return Group.build(group_id="g", prompt_id=group.row.prompt_id, credit_id="c",
-                       actor_id="a", seq=0, trajectories=trajectories)  # fmt: skip
-
-
 def check_turns(ep: Episode, calls: list[tuple[GenerationRequest, list[Sample]]]) -> None:
     """Each model turn: its context is the trajectory so far; its tokens and log-probs are the
     engine's; loss_mask is 1 on them and 0 on everything the environment added."""
@@ -190,7 +177,7 @@ def test_trajectories_are_the_engines_tokens_under_chat_templates(
             tail = tok(delta.split(tok.eos_token, 2)[-1], add_special_tokens=False)["input_ids"]
             for chunk in obs_tokens:  # (after a cut turn, the closing eos comes first)
                 assert chunk.tolist()[-len(tail) :] == tail
-        batch = collate([to_group(group)], pad_id=int(tok.pad_token_id))
+        batch = collate([episode_group(group)], pad_id=int(tok.pad_token_id))
         for share in (False, True):
             with torch.no_grad():
                 learner_lps, _ = token_logprobs(model, batch, 1.0, share_prompt=share)

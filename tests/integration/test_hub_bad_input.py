@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zmq
 from test_hub import WAIT_S, HubProcess, make_group, stats
+from wire_checks import dealer, refused, reply
 
 from asyncrl.protocol import (
     PROTOCOL_VERSION,
@@ -20,7 +21,6 @@ from asyncrl.protocol import (
     Credits,
     Error,
     Hello,
-    Message,
     Welcome,
     decode,
     encode,
@@ -47,25 +47,8 @@ def good(hub: HubProcess) -> Iterator[HubConnection]:
 
 @pytest.fixture
 def raw(hub: HubProcess) -> Iterator[zmq.Socket]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(hub.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
-
-
-def reply(sock: zmq.Socket) -> Message:
-    assert sock.poll(int(WAIT_S * 1000)), "the hub did not answer"
-    return decode(sock.recv_multipart())
-
-
-def refused(sock: zmq.Socket, frames: list[Any]) -> Error:
-    sock.send_multipart(frames)
-    msg = reply(sock)
-    assert isinstance(msg, Error), msg
-    return msg
+    with dealer(hub.endpoint) as sock:
+        yield sock
 
 
 def hello(

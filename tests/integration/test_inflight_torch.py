@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from token_checks import plain_logprobs
+from transformers import AutoModelForCausalLM
 
 from actors.engines.base import GenerationRequest
 from actors.engines.torch_engine import TorchEngine
@@ -30,14 +31,6 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = tmp_path_factory.mktemp("other")
     return ensure_model(ModelConfig(cache_dir=str(cache), init_seed=7), TaskConfig())
-
-
-def plain_logprobs(model: PreTrainedModel, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
-    ids = torch.tensor([prompt + tokens.tolist()])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
 
 
 @pytest.mark.parametrize("swap_after", [1, 3])

@@ -29,8 +29,12 @@ from learner.loop import Learner, make_adamw
 from learner.losses import policy_loss
 
 
-def _group(rng: np.random.Generator, group_id: str, size: int) -> Group:
+def _group(rng: np.random.Generator, group_id: str, size: int, versions: tuple = (0, 0)) -> Group:
+    """`versions` (old, new): each trajectory's first two tokens made by `old`, the rest by
+    `new` (an in-flight update) when they differ."""
     trajs = []
+    old, new = versions
+    spans = (0, old, 2, new) if new != old else ()
     plen, prompt = 4, rng.integers(4, 16, size=4).astype(np.int32)  # one prompt per group
     for _ in range(size):
         clen = int(rng.integers(2, 7))
@@ -42,9 +46,10 @@ def _group(rng: np.random.Generator, group_id: str, size: int) -> Group:
                 loss_mask=np.ones(clen, np.uint8),
                 behavior_logprobs=np.log(rng.uniform(0.03, 0.2, clen)).astype(np.float32),
                 reward=float(rng.random()),
-                min_policy_version=0,
-                max_policy_version=0,
+                min_policy_version=old,
+                max_policy_version=new,
                 finish_reason="stop",
+                version_spans=spans,
             )
         )
     return Group.build(group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0,
@@ -74,7 +79,10 @@ def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
         learner.publisher.close()
 
 
-def _reference(cfg: RunConfig, model_dir: Path, groups: list[Group]) -> torch.nn.Module:
+def _reference(
+    cfg: RunConfig, model_dir: Path, groups: list[Group], version: int = 0
+) -> torch.nn.Module:
+    """The step from the formulas; `version` is the one trained (token lags count from it)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimizer = make_adamw(model, cfg.learner.lr, cfg.learner.weight_decay)
@@ -94,7 +102,8 @@ def _reference(cfg: RunConfig, model_dir: Path, groups: list[Group]) -> torch.nn
         loss, _ = policy_loss(logprobs, proximal, rows.behavior_logprobs, advantages[first:last],
                               rows.mask, cfg.loss, num_samples_total=last - first,
                               max_tokens=cfg.actor.max_new_tokens,
-                              num_tokens_total=float(rows.mask.sum()))  # fmt: skip
+                              num_tokens_total=float(rows.mask.sum()),
+                              token_lag=version - rows.token_versions)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
         optimizer.step()
@@ -102,7 +111,8 @@ def _reference(cfg: RunConfig, model_dir: Path, groups: list[Group]) -> torch.nn
 
 
 @pytest.mark.parametrize(
-    ("minibatches", "loss"), [(1, "decoupled_ppo"), (2, "decoupled_ppo"), (2, "ppo")]
+    ("minibatches", "loss"),
+    [(1, "decoupled_ppo"), (2, "decoupled_ppo"), (2, "ppo"), (2, "m2po"), (1, "stale_clip")],
 )
 def test_minibatch_steps_match_the_reference(
     make_learner: object, tiny_model_dir: Path, minibatches: int, loss: str
@@ -124,6 +134,47 @@ def test_minibatch_steps_match_the_reference(
         # the second minibatch's ratio π_θ/π_prox is no longer 1 after the first step
         assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
     assert np.isfinite(list(stats.values())).all()
+
+
+def test_stale_clip_clips_each_token_by_its_own_lag(
+    make_learner: object, tiny_model_dir: Path
+) -> None:
+    """Trajectories spanning versions 1 and 3, trained at version 4: lags 3 and 1 per token.
+    The learner matches the reference given those lags, and not the one given none."""
+    rng = np.random.default_rng(7)
+    groups = [_group(rng, "g0", 3, (1, 3)), _group(rng, "g1", 3, (1, 3))]
+    cfg = _config(tiny_model_dir, 1, "stale_clip")
+    learner = make_learner(cfg)  # type: ignore[operator]
+    learner.optimize(Batch(request_id=1, policy_version=4, groups=tuple(groups)))
+    want = dict(_reference(cfg, tiny_model_dir, groups, version=4).named_parameters())
+    fresh = dict(_reference(cfg, tiny_model_dir, groups, version=3).named_parameters())
+    differs = False
+    for name, param in learner.model.named_parameters():
+        torch.testing.assert_close(param, want[name], atol=1e-6, rtol=1e-5, msg=name)
+        differs |= not torch.allclose(param, fresh[name], atol=1e-5, rtol=1e-4)
+    assert differs
+
+
+def test_the_learning_rate_falls_with_the_mean_token_lag(
+    make_learner: object, tiny_model_dir: Path
+) -> None:
+    """Trained at version 4, tokens 0-1 of every trajectory have lag 3 and the rest lag 1;
+    with κ = 0.5 the step's rate is lr / (1 + 0.5 ℓ), ℓ the mean over produced tokens."""
+    rng = np.random.default_rng(11)
+    groups = [_group(rng, "g0", 3, (1, 3)), _group(rng, "g1", 3, (1, 3))]
+    lengths = [len(t.tokens) - t.prompt_len for g in groups for t in g.trajectories()]
+    mean_lag = sum(3 * 2 + 1 * (n - 2) for n in lengths) / sum(lengths)
+    cfg = _config(tiny_model_dir, 1, "decoupled_ppo")
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lr_staleness_decay=0.5))
+    learner = make_learner(cfg)  # type: ignore[operator]
+    stats = learner.optimize(Batch(request_id=1, policy_version=4, groups=tuple(groups)))
+    rate = 0.01 / (1 + 0.5 * mean_lag)
+    assert stats["lr"] == pytest.approx(rate, rel=1e-12)
+    same = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lr=rate,
+                                                                lr_staleness_decay=0.0))  # fmt: skip
+    want = dict(_reference(same, tiny_model_dir, groups, version=4).named_parameters())
+    for name, param in learner.model.named_parameters():
+        torch.testing.assert_close(param, want[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_minibatches_beyond_groups_per_step_are_refused(tiny_model_dir: Path) -> None:

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from wire_checks import dealer, refused, reply
 
 from actors.rewards.rm_client import RewardModelClient, RewardModelError
 from actors.rewards.rm_component import RewardModelComponent
@@ -28,10 +29,8 @@ from asyncrl.protocol import (
     PROTOCOL_VERSION,
     Error,
     Hello,
-    Message,
     ScoreRequest,
     Scores,
-    decode,
     encode,
 )
 
@@ -107,25 +106,8 @@ def patient(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[
 
 @pytest.fixture
 def raw(server: ServerProcess) -> Iterator[zmq.Socket]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
-
-
-def reply(sock: zmq.Socket) -> Message:
-    assert sock.poll(int(WAIT_S * 1000)), "the server did not answer"
-    return decode(sock.recv_multipart())
-
-
-def refused(sock: zmq.Socket, frames: list[Any]) -> Error:
-    sock.send_multipart(frames)
-    msg = reply(sock)
-    assert isinstance(msg, Error), msg
-    return msg
+    with dealer(server.endpoint) as sock:
+        yield sock
 
 
 def request_header(**changes: Any) -> list[bytes]:

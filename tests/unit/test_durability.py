@@ -14,7 +14,7 @@ from asyncrl.config import load_config
 from asyncrl.protocol import Group, Trajectory, encode
 from replay.durability import HEADER, WriteAheadLog, pack_record, read_records
 from replay.prompts import Prompt, PromptSource
-from replay.state import HubState
+from replay.state import HubState, SeqWindow
 
 CFG = load_config(None, ["learner.groups_per_step=2", "replay.max_staleness=1"])
 
@@ -146,11 +146,14 @@ def test_an_impossible_length_is_corruption(tmp_path: Path) -> None:
     assert "impossible record length" in found.reason and found.ops == len(ends) - 1
 
 
-def test_snapshots_bound_the_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_snapshots_bound_the_log(tmp_path: Path, background: bool) -> None:
+    """With `background`, the syncer thread writes and fsyncs every commit (the hub's mode)."""
     state = fresh()
     size = sum(memoryview(p).nbytes for p in pack_record("store", {"holder": b"a"}, encode(
         group("a", 0, 1, "p0", 0))))  # fmt: skip
-    wal = WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=20 * size)
+    wal = WriteAheadLog(tmp_path, fsync=background, snapshot_log_bytes=20 * size,
+                        background=background)  # fmt: skip
     wal.recover(state)
     state.journal = wal.journal
     state.actor_hello(b"a", "a", session=1)
@@ -161,9 +164,11 @@ def test_snapshots_bound_the_log(tmp_path: Path) -> None:
         if seq % 2:
             state.hand_out(seq, 2, float("inf"))
             state.trained(seq)
-        wal.commit()
+        durable = wal.commit()
+        assert durable <= wal.lsn
         if wal.due_for_snapshot():
             wal.snapshot(state)
+            assert wal.durable_lsn == wal.lsn  # a snapshot waits for the log it replaces
         largest = max(largest, sum(p.stat().st_size for p in tmp_path.glob("wal-*.log")))
     wal.close()
     assert wal.num_snapshots >= 5 and largest < 25 * size
@@ -177,3 +182,18 @@ def test_one_hub_per_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="another hub"):
         WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=1 << 20)
     first.close()
+
+
+def test_seq_windows_remember_exactly_the_seqs_taken() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        window, taken = SeqWindow(), set()
+        order = rng.permutation(40)[: rng.integers(1, 40)]
+        if rng.random() < 0.5:
+            order = np.sort(order)  # in order, gaps where seqs are missing
+        for seq in order.tolist():
+            assert not window.seen(seq)
+            window.add(seq)
+            taken.add(seq)
+            assert [s for s in range(41) if window.seen(s)] == sorted(taken)
+            assert window.next_seq == max(taken) + 1

@@ -33,16 +33,19 @@ def test_wandb_configured_but_missing_fails_naming_the_key(
         start_wandb(wandb_cfg("my-project"), Path("."))
 
 
-def multi_turn_group() -> Group:
+def multi_turn_trajectory() -> Trajectory:
     """Prompt [1, 2]; model turn [10, 11]; tool output [20, 21, 22] (mask 0); model turn [12]."""
-    traj = Trajectory(
+    return Trajectory(
         tokens=np.array([1, 2, 10, 11, 20, 21, 22, 12], np.int32), prompt_len=2,
         loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
         behavior_logprobs=np.array([-1.0, -2.0, 0, 0, 0, -0.5], np.float32), reward=0.75,
         min_policy_version=3, max_policy_version=4, finish_reason="stop", num_turns=2,
     )  # fmt: skip
+
+
+def multi_turn_group() -> Group:
     return Group.build(group_id="a/0", prompt_id="p-1", credit_id=7, actor_id="a", seq=0,
-                       trajectories=[traj],
+                       trajectories=[multi_turn_trajectory()],
                        reward_components={"position": [0.5], "multiset": [1.0]})  # fmt: skip
 
 
@@ -76,3 +79,30 @@ def test_sample_stays_bounded_and_spread_over_the_run(tmp_path: Path) -> None:
     assert len(steps) <= 4 and stride == 8  # 32 due steps at stride 1 -> 4 at stride 8
     assert steps == [16, 32, 48, 64]  # spread evenly over the whole run
     assert writer.room(5) == 3 and writer.meta["flagged_dropped"] == 2
+
+
+def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> None:
+    """The reward monitor's alarms go through the observer: one alarms.jsonl, one shape."""
+    import threading
+
+    from asyncrl.alarms import read_alarms
+    from asyncrl.config import RewardConfig, RunConfig
+    from learner.observe import LearnerObserver
+    from learner.reward_monitor import RewardMonitor
+
+    learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
+                              step=0, live=None, stop_event=threading.Event())  # fmt: skip
+    observer = LearnerObserver(learner)  # type: ignore[arg-type]
+    monitor = RewardMonitor(RewardConfig(alarm_saturate_steps=2), tmp_path)
+    traj = multi_turn_trajectory()
+    group = Group.build(group_id="a/1", prompt_id="p-2", credit_id=8, actor_id="a", seq=1,
+                        trajectories=[traj, traj],
+                        reward_components={"format": [1.0, 1.0], "task": [0.0, 1.0]})  # fmt: skip
+    for step in range(3):
+        monitor.step(step, [group], {"reward_mean": 0.5, "policy_version": 10 + step})
+    for alarm in monitor.take_alarms():
+        observer.raise_alarm(alarm)
+    records = read_alarms(tmp_path / "alarms.jsonl")
+    assert [(r["name"], r["action"]) for r in records] == [("reward:saturated:format", "warn")]
+    assert records[0]["policy_version"] == 11 and records[0]["evidence"]["value"] == 1.0
+    assert not learner.stop_event.is_set()

@@ -3,7 +3,6 @@ canary alarms from the actors)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -30,24 +29,22 @@ def test_component_means_per_step() -> None:
 
 
 def test_reward_jump_with_length_collapse_raises_an_alarm(tmp_path: Path) -> None:
-    lines: list[str] = []
-    mon = RewardMonitor(RewardConfig(alarm_window_steps=3, alarm_reward_jump=0.3),
-                        tmp_path, log=lines.append)  # fmt: skip
+    mon = RewardMonitor(RewardConfig(alarm_window_steps=3, alarm_reward_jump=0.3), tmp_path)
     g = [group({"task": [0.0, 1.0]})]
     for step in range(3):
         mon.step(step, g, {"reward_mean": 0.1, "response_len_mean": 40.0, "entropy": 1.0})
-    assert not mon.alarms
+    assert not mon.alarms and not mon.take_alarms()
     for step in range(3, 6):  # reward jumps while answers shrink to a few tokens
         mon.step(step, g, {"reward_mean": 0.9, "response_len_mean": 4.0, "entropy": 0.9})
-    [alarm] = mon.alarms
-    assert alarm["alarm"] == "reward_jump_collapse"
-    assert alarm["evidence"]["length_before"] == 40.0 and alarm["evidence"]["length_after"] == 4.0
-    assert lines[0].startswith("ALARM reward reward_jump_collapse")
-    assert json.loads((tmp_path / "alarms.jsonl").read_text())["alarm"] == "reward_jump_collapse"
+    [alarm] = mon.take_alarms()
+    assert alarm.name == "reward:reward_jump_collapse" and alarm.step == 5
+    assert alarm.evidence["length_before"] == 40.0 and alarm.evidence["length_after"] == 4.0
+    assert "reward_jump_collapse" in alarm.message
+    assert mon.take_alarms() == [] and mon.alarms == [alarm]  # taken once, kept in the record
 
 
 def test_a_reward_jump_without_collapse_is_learning_not_an_alarm() -> None:
-    mon = RewardMonitor(RewardConfig(alarm_window_steps=2), log=lambda _: None)
+    mon = RewardMonitor(RewardConfig(alarm_window_steps=2))
     g = [group({"task": [0.0, 1.0]})]
     for step, reward in enumerate([0.1, 0.1, 0.9, 0.9]):
         mon.step(step, g, {"reward_mean": reward, "response_len_mean": 10.0, "entropy": 1.0})
@@ -55,16 +52,17 @@ def test_a_reward_jump_without_collapse_is_learning_not_an_alarm() -> None:
 
 
 def test_a_saturated_component_raises_an_alarm_once() -> None:
-    mon = RewardMonitor(RewardConfig(alarm_saturate_steps=3), log=lambda _: None)
+    mon = RewardMonitor(RewardConfig(alarm_saturate_steps=3))
     for step in range(6):
         mon.step(step, [group({"task": [0.0, 1.0], "rm": [5.0, 5.0]})], {"reward_mean": 0.5})
-    assert [a["alarm"] for a in mon.alarms] == ["saturated:rm"]
+    assert [a.name for a in mon.alarms] == ["reward:saturated:rm"]
 
 
 def test_canary_alarms_from_actors_are_repeated_with_evidence() -> None:
     evidence = {"label": "hedged", "reward": 1.0, "completion": "3 or 4"}
     meta = {"reward": {"canary": {"alarms": [evidence]}, "flags": {"hedged": 2}}}
-    mon = RewardMonitor(RewardConfig(), log=lambda _: None)
+    mon = RewardMonitor(RewardConfig())
     out = mon.step(7, [group({"task": [0.0]}, meta)], {"reward_mean": 0.0})
     assert out["reward/canary_alarms"] == 1.0 and out["reward/flag/hedged"] == 2.0
-    assert mon.alarms[0]["evidence"]["label"] == "hedged"
+    assert mon.alarms[0].name == "reward:canary"
+    assert mon.alarms[0].evidence["label"] == "hedged" and mon.alarms[0].policy_version == 7
