@@ -27,7 +27,8 @@ adds `inflight_eta1_over_between_eta4` (samples/s of in-flight updates at η = 1
 between-groups updates at η = 4; medians over seeds, and per seed) and `by_mode` (the first
 loss's figures per mode and η). `final_reward_eta8_minus_eta0` is bench/results/stability.json's
 when that file exists (the losses' own bench), else this sweep's (first loss, between-groups,
-median of seeds) whenever η = 0 and η = 8 are; `final_reward_eta8_minus_eta0_from` says which.
+median of seeds) whenever η = 0 and η = 8 are; `final_reward_eta8_minus_eta0_from` says which
+and `final_reward_eta8_minus_eta0_this_sweep` keeps this sweep's.
 `--keep-runs DIR` keeps every point's run directory (metrics.jsonl, actor-*.json) for a look;
 `--summarise JSON` recomputes the top-level figures and plots from an earlier result's points.
 Every point is bound by the learner on the embedded task (it hardly waits for data), so beside
@@ -322,20 +323,19 @@ def eta8_minus_eta0(points: list[dict[str, Any]], loss: str) -> dict[str, Any]:
     """`final_reward_eta8_minus_eta0`: bench/results/stability.json's (the losses' own bench,
     median of its seeds, same step budget) when that file exists, else this sweep's (first
     loss, between-groups, median of seeds); `..._from` says which."""
+    mine = _difference(by(points, loss, 8, "final_reward"), by(points, loss, 0, "final_reward"))
+    out = {"final_reward_eta8_minus_eta0_this_sweep": mine}
     stability = REPO / "bench" / "results" / "stability.json"
-    if stability.is_file():
-        data = json.loads(stability.read_text())
-        if "final_reward_eta8_minus_eta0" in data:
-            return {
-                "final_reward_eta8_minus_eta0": data["final_reward_eta8_minus_eta0"],
-                "final_reward_eta8_minus_eta0_from": {
-                    "file": "bench/results/stability.json", "command": data.get("command"),
-                },
-            }  # fmt: skip
-    return {
-        "final_reward_eta8_minus_eta0": _difference(
-            by(points, loss, 8, "final_reward"), by(points, loss, 0, "final_reward")
-        ),
+    data = json.loads(stability.read_text()) if stability.is_file() else {}
+    if "final_reward_eta8_minus_eta0" in data:
+        return out | {
+            "final_reward_eta8_minus_eta0": data["final_reward_eta8_minus_eta0"],
+            "final_reward_eta8_minus_eta0_from": {
+                "file": "bench/results/stability.json", "command": data.get("command"),
+            },
+        }  # fmt: skip
+    return out | {
+        "final_reward_eta8_minus_eta0": mine,
         "final_reward_eta8_minus_eta0_from": {"file": "this sweep", "loss": loss},
     }
 
