@@ -2,6 +2,7 @@
 
     python bench/simulate.py calibrate [--measured bench/results/staleness.json]
     python bench/simulate.py predict --world 512 --actors 2048 [--eta 0 1 2 4 8]
+                                     [--modes between_groups,in_flight]
                                      [--assume key=value ...] [--what-if-no-weight-wait]
 
 The model (bench/sim/model.py) drives the hub's real admission and replay-buffer code
@@ -15,6 +16,12 @@ sample request. `calibrate` also fits a message latency (from the η = 0 points)
 and step times vary as measured; `predict` takes both as 0 (one hop of a millisecond against
 generation and step times of seconds); `--what-if-no-weight-wait` also runs actors that start
 at once (the earlier actor), for comparison.
+
+`--modes` predicts each η for each `actor.weight_update`: `predictions` holds between-groups
+updates (as before), `predictions_in_flight` in-flight updates, whose pause per update comes
+from `ClusterAssumptions.inflight_pause` (weight copy + KV recompute of the sequences in flight;
+`--assume inflight_recompute=0` for a kept cache). Calibration simulates each measured point in
+its own mode, in-flight points with the measured pause per update.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from bench.sim.model import SimConfig, simulate  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("samples_per_s", "tokens_per_s", "learner_idle_fraction", "actor_idle_fraction",
            "mean_staleness", "groups_dropped_stale", "mean_step_s", "mean_generate_s",
-           "mean_batch_seqs", "mean_sync_latency_s")  # fmt: skip
+           "mean_batch_seqs", "mean_sync_latency_s", "inflight_updates", "mixed_version_frac",
+           "tokens_per_weight_version")  # fmt: skip
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -74,6 +82,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--warmup", type=int, default=None, help="steps before measuring (default η + 4)"
     )
     pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
+    pre.add_argument("--modes", default="between_groups,in_flight",
+                     help="actor.weight_update values to predict")  # fmt: skip
     pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a ClusterAssumptions field")  # fmt: skip
     pre.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
@@ -106,11 +116,15 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
 
 
 def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int,
-               wait_for_weights: bool = True) -> SimConfig:  # fmt: skip
-    """The simulation of one η under the assumptions."""
+               wait_for_weights: bool = True, mode: str = "between_groups") -> SimConfig:  # fmt: skip
+    """The simulation of one η (and weight-update mode) under the assumptions."""
     plan = a.bucket_plan()
     num_params = plan.total_bytes // a.dtype_bytes
+    pause_s, pause_per_seq_s = a.inflight_pause(num_params)
     return SimConfig(
+        weight_update=mode,  # type: ignore[arg-type]
+        inflight_pause_s=pause_s,
+        inflight_pause_per_seq_s=pause_per_seq_s,
         num_actors=a.num_actors,
         concurrency=a.concurrency,
         credit_window=a.credit_window or 2 * a.concurrency,
@@ -128,32 +142,36 @@ def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed:
     )
 
 
-def _run_one(job: tuple[ClusterAssumptions, int, int, int, int, bool]) -> dict[str, Any]:
+def _run_one(job: tuple[ClusterAssumptions, int, int, int, int, bool, str]) -> dict[str, Any]:
     start = time.process_time()
     result = simulate(sim_config(*job)).to_dict()
     return result | {"cpu_s": time.process_time() - start}
 
 
 def predict(args: argparse.Namespace) -> dict[str, Any]:
-    """Every η (and the what-if, when asked) over `repeats` seeds, on `jobs` processes."""
+    """Every η and mode (and the what-if, when asked) over `repeats` seeds, on `jobs` processes."""
     a = assumptions_from(args)
-    variants = [True, False] if args.what_if_no_weight_wait else [True]
+    modes = args.modes.split(",")
+    variants = [(True, m) for m in modes] + [
+        (False, "between_groups")
+    ] * args.what_if_no_weight_wait
     warmups = {eta: eta + 4 if args.warmup is None else args.warmup for eta in args.eta}
-    jobs = [(a, eta, args.measure, warmups[eta], seed, wait)
-            for wait in variants for eta in args.eta for seed in range(args.repeats)]  # fmt: skip
+    jobs = [(a, eta, args.measure, warmups[eta], seed, wait, mode) for wait, mode in variants
+            for eta in args.eta for seed in range(args.repeats)]  # fmt: skip
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_run_one, jobs))
     out: dict[str, Any] = {"assumptions": dataclasses.asdict(a), "derived": a.derived()}
-    for wait in variants:
+    names = {(True, "between_groups"): "predictions", (True, "in_flight"): "predictions_in_flight",
+             (False, "between_groups"): "what_if_no_weight_wait"}  # fmt: skip
+    for wait, mode in variants:
         rows = []
         for eta in args.eta:
-            runs = [
-                r for job, r in zip(jobs, results, strict=True) if job[1] == eta and job[5] == wait
-            ]
-            rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta]})
-            _print_row(rows[-1], "" if wait else "what-if no weight wait: ")
-        out["predictions" if wait else "what_if_no_weight_wait"] = rows
+            runs = [r for job, r in zip(jobs, results, strict=True)
+                    if job[1] == eta and job[5:] == (wait, mode)]  # fmt: skip
+            rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta], "weight_update": mode})
+            _print_row(rows[-1], f"{mode}: " if wait else "what-if no weight wait: ")
+        out[names[wait, mode]] = rows
     out["simulation_wall_s"] = time.perf_counter() - start
     print(
         f"simulated {len(jobs)} runs in {out['simulation_wall_s']:.1f} s on {args.jobs} processes"
@@ -199,7 +217,8 @@ def print_calibration(section: dict[str, Any]) -> None:
         return
     g = section["generation"]
     print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
-          f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s")  # fmt: skip
+          f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s; in-flight pause "
+          f"{section.get('inflight_pause_s', 0.0):.4g} s")  # fmt: skip
     fit = section["latency_fit"]
     print(f"message latency {section['message_latency_s'] * 1e3:.3g} ms "
           f"({fit['status']}; hops per step {[round(h, 2) for h in fit.get('hops_per_step', [])]}); "
@@ -208,12 +227,13 @@ def print_calibration(section: dict[str, Any]) -> None:
         print(f"learner[{loss}]: {f['overhead_s']:.4g} s + {f['token_s']:.4g} s/token/rank "
               f"+ {f['outside_s']:.4g} s outside the step")  # fmt: skip
     print(
-        "loss           η | samples/s meas  sim  err  own | learner wait meas sim own | "
+        "loss     mode      η | samples/s meas  sim  err  own | learner wait meas sim own | "
         "actor wait meas sim own | staleness meas sim | drops/step meas sim"
     )
     for p in section["points"]:
         m, s, o = p["measured"], p["simulated"], p["own_times"]
-        print(f"{p['loss']:14s} {p['max_staleness']:d} | {m['samples_per_s']:8.1f} "
+        mode = "in-flight" if p.get("weight_update") == "in_flight" else ""
+        print(f"{p['loss'][:9]:9s}{mode:>9s} {p['max_staleness']:d} | {m['samples_per_s']:8.1f} "
               f"{s['samples_per_s']:6.1f} {p['rel_err_samples_per_s']:+5.0%} "
               f"{o['rel_err_samples_per_s']:+5.0%} | {m['learner_wait_fraction']:9.2f} "
               f"{s['learner_wait_fraction']:.2f} {o['simulated']['learner_wait_fraction']:.2f} | "
@@ -253,17 +273,21 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 
 
 def plot_predictions(result: dict[str, Any], png: Path) -> None:
-    """Throughput, idle fractions and dropped groups vs η; staleness histograms per η."""
+    """Throughput, idle fractions and dropped groups vs η per weight-update mode; staleness
+    histograms per η (between-groups)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["predictions"]
+    modes = [(k, label) for k, label in (("predictions", "between groups"),
+             ("predictions_in_flight", "in flight")) if k in result]  # fmt: skip
+    rows = result[modes[0][0]]  # the staleness histograms: between groups when predicted
     etas = [r["max_staleness"] for r in rows]
     x = np.arange(len(etas))
+    width = 0.8 / len(modes)
 
-    def series(key: str) -> tuple[np.ndarray, np.ndarray]:
+    def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
         med = np.array([r["metrics"][key]["median"] for r in rows])
         spread = np.array([[med[i] - r["metrics"][key]["min"], r["metrics"][key]["max"] - med[i]]
                            for i, r in enumerate(rows)]).T  # fmt: skip
@@ -271,33 +295,36 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
 
     a = result["assumptions"]
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
-    med, err = series("samples_per_s")
-    ax[0, 0].bar(x, med, yerr=err, color="tab:blue", capsize=3, label="asyncrl actors")
+    steps = result["config"]["measure"]
+    for m, (key, label) in enumerate(modes):
+        at = x + (m - (len(modes) - 1) / 2) * width
+        med, err = series(result[key], "samples_per_s")
+        ax[0, 0].bar(at, med, width, yerr=err, capsize=3, label=label)
+        med, err = series(result[key], "groups_dropped_stale")
+        ax[1, 1].bar(at, med / steps, width, yerr=err / steps, capsize=3, label=label)
+        for metric, style in (("learner_idle_fraction", "-o"), ("actor_idle_fraction", "--s")):
+            med, err = series(result[key], metric)
+            ax[0, 1].errorbar(etas, med, yerr=err, fmt=style, capsize=3,
+                              label=f"{metric.replace('_', ' ')} ({label})")  # fmt: skip
     if "what_if_no_weight_wait" in result:
         what_if = [
             r["metrics"]["samples_per_s"]["median"] for r in result["what_if_no_weight_wait"]
         ]
         ax[0, 0].plot(x, what_if, "k--o", label="what-if: actors do not wait for weights")
-        ax[0, 0].legend()
     ax[0, 0].set(title="learner throughput", ylabel="samples / s", xlabel="η (max_staleness)")
-    for key, color in (("learner_idle_fraction", "tab:red"), ("actor_idle_fraction", "tab:green")):
-        med, err = series(key)
-        ax[0, 1].errorbar(etas, med, yerr=err, marker="o", color=color, capsize=3,
-                          label=key.replace("_", " "))  # fmt: skip
+    ax[0, 0].legend()
     ax[0, 1].set(title="idle (waiting) fractions", ylim=(-0.02, 1.02), xlabel="η")
-    ax[0, 1].legend()
-    width = 0.8 / len(rows)
+    ax[0, 1].legend(fontsize=7)
+    hist_width = 0.8 / len(rows)
     for i, r in enumerate(rows):
         hist = np.asarray(r["staleness_histogram"], dtype=float)
-        ax[1, 0].bar(np.arange(hist.size) + i * width, hist / max(1.0, hist.sum()), width,
-                     label=f"η={r['max_staleness']}")  # fmt: skip
-    ax[1, 0].set(title="staleness of consumed groups", xlabel="policy_version - min_policy_version",
-                 ylabel="share of groups")  # fmt: skip
+        ax[1, 0].bar(np.arange(hist.size) + i * hist_width, hist / max(1.0, hist.sum()),
+                     hist_width, label=f"η={r['max_staleness']}")  # fmt: skip
+    ax[1, 0].set(title=f"staleness of consumed groups ({modes[0][1]})",
+                 xlabel="policy_version - min_policy_version", ylabel="share of groups")  # fmt: skip
     ax[1, 0].legend()
-    med, err = series("groups_dropped_stale")
-    steps = np.array([result["config"]["measure"]] * len(rows))
-    ax[1, 1].bar(x, med / steps, yerr=err / steps, color="tab:orange", capsize=3)
-    ax[1, 1].set(title="groups dropped as stale per step", xlabel="η")
+    ax[1, 1].set(title=f"groups dropped as stale per step (of {a['groups_per_step']})", xlabel="η")
+    ax[1, 1].legend()
     for axis in (ax[0, 0], ax[1, 1]):
         axis.set_xticks(x, [str(e) for e in etas])
     fig.suptitle(

@@ -2,7 +2,8 @@
 
     python bench/staleness.py [--config configs/tiny_cpu.toml] [--etas 0,1,2,4,8]
                               [--losses decoupled_ppo,ppo] [--seeds 1] [--budget-s 120]
-                              [--modes between_groups,in_flight]
+                              [--modes between_groups,in_flight] [--keep-runs DIR]
+                              [--summarise JSON]
     asyncrl bench staleness ...                       (the same, from the repository root)
 
 For every (loss, η, seed) point it runs `asyncrl run` (hub, actors, learner as processes) for
@@ -13,15 +14,29 @@ and the mean reward at a fixed wall-clock time and at a fixed step count common 
 
 Writes `bench/results/staleness.json` (`points`, each with `max_staleness`, `loss`, `seed`,
 `samples_per_s`, `final_reward`, ...; top-level `speedup_eta4_vs_eta0` for the first loss) and
-two pictures: `staleness_throughput.png` (samples/s and idle fractions vs η) and
-`staleness_reward.png` (reward vs wall-clock per η and loss). The point fields also serve the
+two pictures beside it, named after it: `staleness_throughput.png` (samples/s and idle fractions
+vs η) and `staleness_reward.png` (reward vs wall-clock per η, loss and mode). The point fields also serve the
 simulator's calibration (bench/sim/calibrate.py).
 
-`--modes` sweeps `actor.weight_update` too (default: between_groups only). With both modes the
-JSON adds `inflight_eta1_over_between_eta4` (samples/s of in-flight updates at η = 1 over
-between-groups updates at η = 4) and per point the actors' idle fraction, in-flight updates and
-tokens generated per weight version; `final_reward_eta8_minus_eta0` (first loss,
-between-groups, median of seeds) is there whenever η = 0 and η = 8 are.
+`--modes` sweeps `actor.weight_update` too (default: between_groups only). Per point: the
+actors' idle fraction (`actor_wait_fraction`: waiting for credits or weights), weight loads and
+seconds per load, in-flight updates and the KV recompute each costs (`inflight_pause_s`, load
++ recompute), tokens generated per weight version, groups dropped as stale, the loadavg, and
+`config.actor.weight_update` (the simulator's calibration reads it). With both modes the JSON
+adds `inflight_eta1_over_between_eta4` (samples/s of in-flight updates at η = 1 over
+between-groups updates at η = 4; medians over seeds, and per seed) and `by_mode` (the first
+loss's figures per mode and η). `final_reward_eta8_minus_eta0` is bench/results/stability.json's
+when that file exists (the losses' own bench), else this sweep's (first loss, between-groups,
+median of seeds) whenever η = 0 and η = 8 are; `final_reward_eta8_minus_eta0_from` says which
+and `final_reward_eta8_minus_eta0_this_sweep` keeps this sweep's.
+`--keep-runs DIR` keeps every point's run directory (metrics.jsonl, actor-*.json) for a look;
+`--summarise JSON` recomputes the top-level figures and plots from an earlier result's points.
+Every point is bound by the learner on the embedded task (it hardly waits for data), so beside
+samples/s the JSON gives the learner's share of wall time spent in optimizer steps
+(`learner_train_fraction`), each process's CPU per learner step and share of a core, and the
+samples trained per CPU second of all of them (`cpu`, `samples_per_cpu_s`; bench/cpu_sampler.py),
+with the in-flight ratio of each: these divide out how much CPU the shared machine happened to
+give each point.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_common import environment, spread, write_json  # noqa: E402
+from cpu_sampler import CpuSampler  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.run import read_metrics, run  # noqa: E402
@@ -65,7 +81,8 @@ def run_point(
         learner=dataclasses.replace(cfg.learner, max_steps=1_000_000),
         actor=dataclasses.replace(cfg.actor, weight_update=mode),
     )
-    summary = run(point_cfg, run_dir, quiet=True)
+    with CpuSampler(run_dir) as cpu:
+        summary = run(point_cfg, run_dir, quiet=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
     if len(rows) < 3:
         raise RuntimeError(
@@ -73,13 +90,32 @@ def run_point(
         )
     actors = [json.loads(p.read_text()) for p in sorted(run_dir.glob("actor-*.json"))]
     point = measure(rows, actors, eta, loss, seed)
-    stats = [a["stats"] for a in actors]
+    point.update(weight_costs([a["stats"] for a in actors]))
     point["weight_update"] = mode
-    point["inflight_updates"] = sum(int(s.get("inflight_updates", 0)) for s in stats)
-    point["tokens_per_weight_version"] = sum(s["tokens"] for s in stats) / max(
-        1, sum(int(s.get("weights_loaded", 0)) for s in stats)
-    )
+    point["config"] = {"actor": {"weight_update": mode}}  # for bench/sim/calibrate.py
+    point["loadavg"] = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min, at the end
+    point["cpu"] = cpu.summary(rows)  # per process CPU per step and share; samples per CPU s
+    if point["cpu"] is not None:
+        point["samples_per_cpu_s"] = point["cpu"]["samples_per_cpu_s"]
     return point
+
+
+def weight_costs(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The actors' weight swaps: how many, seconds per load, in-flight updates and the KV
+    recompute each costs, tokens generated per weight version."""
+    loads = sum(int(s.get("weights_loaded", 0)) for s in stats)
+    updates = sum(int(s.get("inflight_updates", 0)) for s in stats)
+    load_s = sum(float(s.get("weights_load_s", 0.0)) for s in stats) / max(1, loads)
+    recompute_s = sum(float(s.get("inflight_recompute_s", 0.0)) for s in stats) / max(1, updates)
+    return {
+        "weights_loaded": loads,
+        "weight_load_s": load_s,
+        "inflight_updates": updates,
+        "inflight_recompute_s": recompute_s,
+        # what one update between decode steps costs the actor: the load, then the recompute
+        "inflight_pause_s": load_s + recompute_s if updates else 0.0,
+        "tokens_per_weight_version": sum(s["tokens"] for s in stats) / max(1, loads),
+    }
 
 
 def measure(
@@ -103,6 +139,7 @@ def measure(
         "max_staleness": eta,
         "seed": seed,
         "steps": len(rows),
+        "window_s": span,  # measured: the end of the first step to the end of the last
         "samples_per_s": samples / span,
         "tokens_per_s": tokens / span,
         "learner_wait_fraction": sum(r["wait_data_s"] for r in train) / span,
@@ -117,6 +154,7 @@ def measure(
         "dropped_stale": sum(int(r["dropped_stale"]) for r in rows),
         "sync_s": statistics.fmean(r["weight_sync_s"] for r in train),
         "step_time_s": statistics.fmean(r["step_s"] for r in train),
+        "learner_train_fraction": sum(r["step_s"] for r in train) / span,
         # the spread of both sides' times, as 101 quantiles (seconds), for the simulator
         "step_time_quantiles": time_quantiles([r["step_s"] for r in train]),
         "generate_time_quantiles": time_quantiles([s for a in actors for s in a.get("round_generate_s", ())]),
@@ -156,65 +194,150 @@ def reward_at(points: list[dict[str, Any]]) -> None:
 def by(points: list[dict[str, Any]], loss: str, eta: int, key: str,
        mode: str = "between_groups") -> float | None:  # fmt: skip
     values = [p[key] for p in points if p["loss"] == loss and p["max_staleness"] == eta
-              and p.get("weight_update", "between_groups") == mode]  # fmt: skip
+              and p.get("weight_update", "between_groups") == mode
+              and p.get(key) is not None]  # fmt: skip
     return statistics.median(values) if values else None
 
 
-def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out_dir: Path) -> None:
+def plot(points: list[dict[str, Any]], losses: list[str], etas: list[int], out: Path,
+         modes: list[str]) -> None:  # fmt: skip
+    """<out stem>_throughput.png (samples/s, idle fractions vs η) and <out stem>_reward.png
+    (reward vs wall-clock): a line (a panel) per loss and weight-update mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    etas = sorted(etas)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for loss in losses:
-        ax1.plot(etas, [by(points, loss, e, "samples_per_s") for e in etas], marker="o", label=loss)
-        ax2.plot(
-            etas,
-            [by(points, loss, e, "learner_wait_fraction") for e in etas],
-            marker="o",
-            label=f"learner waits ({loss})",
-        )
-        ax2.plot(
-            etas,
-            [by(points, loss, e, "actor_wait_fraction") for e in etas],
-            marker="s",
-            ls="--",
-            label=f"actor waits ({loss})",
-        )
+    for loss, mode in [(loss, mode) for loss in losses for mode in modes]:
+        name = f"{loss}, {mode}" if len(modes) > 1 else loss
+        ax1.plot(etas, [by(points, loss, e, "samples_per_s", mode) for e in etas], marker="o",
+                 label=name)  # fmt: skip
+        ax2.plot(etas, [by(points, loss, e, "learner_wait_fraction", mode) for e in etas],
+                 marker="o", label=f"learner waits ({name})")  # fmt: skip
+        ax2.plot(etas, [by(points, loss, e, "actor_wait_fraction", mode) for e in etas],
+                 marker="s", ls="--", label=f"actor waits ({name})")  # fmt: skip
     ax1.set(xlabel="max_staleness η", ylabel="learner samples/s", title="throughput vs η")
-    ax2.set(
-        xlabel="max_staleness η",
-        ylabel="fraction of wall time",
-        title="idle fractions vs η",
-        ylim=(0, 1),
-    )
+    ax2.set(xlabel="max_staleness η", ylabel="fraction of wall time", title="idle fractions vs η",
+            ylim=(0, 1))  # fmt: skip
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "staleness_throughput.png", dpi=120)
+    fig.savefig(out.with_name(f"{out.stem}_throughput.png"), dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(losses), figsize=(5.5 * len(losses), 4), squeeze=False)
-    for ax, loss in zip(axes[0], losses, strict=True):
-        for p in [p for p in points if p["loss"] == loss]:
+    panels = [(loss, mode) for loss in losses for mode in modes]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (loss, mode) in zip(axes[0], panels, strict=True):
+        for p in [p for p in points if p["loss"] == loss and p["weight_update"] == mode]:
             t = [c[0] for c in p["curve"]]
             r = [c[2] for c in p["curve"]]
             k = max(1, len(r) // 25)
             smooth = [statistics.fmean(r[max(0, j - k + 1) : j + 1]) for j in range(len(r))]
             ax.plot(t, smooth, label=f"η={p['max_staleness']} seed {p['seed']}")
-        ax.set(
-            xlabel="wall-clock s (learner)",
-            ylabel="mean reward (smoothed)",
-            title=loss,
-            ylim=(0, 1),
-        )
+        ax.set(xlabel="wall-clock s (learner)", ylabel="mean reward (smoothed)",
+               title=f"{loss}, {mode}", ylim=(0, 1))  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "staleness_reward.png", dpi=120)
-    plt.close(fig)  # fmt: skip
+    fig.savefig(out.with_name(f"{out.stem}_reward.png"), dpi=120)
+    plt.close(fig)
+
+
+MODE_KEYS = ("samples_per_s", "samples_per_cpu_s", "actor_wait_fraction", "learner_wait_fraction",
+             "learner_train_fraction",
+             "tokens_per_weight_version", "dropped_stale", "inflight_updates",
+             "inflight_pause_s", "final_reward")  # fmt: skip
+"""Per (mode, η) of the first loss in `by_mode`, median/min/max over seeds."""
+
+
+def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
+              modes: list[str], samples_per_step: int) -> dict[str, Any]:  # fmt: skip
+    """The top-level figures: speed-ups, the in-flight ratio (of medians, and per seed, each
+    pair run back to back), reward differences and the per-mode tables."""
+    first = losses[0]
+    base, fast = by(points, first, 0, "samples_per_s"), by(points, first, 4, "samples_per_s")
+    between = [q for q in points if q.get("weight_update", "between_groups") == "between_groups"]
+
+    def table(pts: list[dict[str, Any]], loss: str, key: str) -> dict[str, Any]:
+        cells = {str(e): [q[key] for q in pts if q["loss"] == loss and q["max_staleness"] == e
+                          and q.get(key) is not None] for e in etas}  # fmt: skip
+        return {e: spread(values) if values else None for e, values in cells.items()}
+
+    for q in points:
+        q["reward_at_fixed_steps_value"] = q["reward_at_fixed_steps"]["reward"]
+    for q in points:  # points of sweeps before this field: from their mean step time
+        window = (q["steps"] - 1) * samples_per_step / q["samples_per_s"]
+        q.setdefault("learner_train_fraction", q["step_time_s"] * (q["steps"] - 1) / window)
+
+    def pair(mine: list[dict[str, Any]], key: str) -> float | None:
+        return _ratio(by(mine, first, 1, key, "in_flight"), by(mine, first, 4, key))
+
+    seeds = sorted({q["seed"] for q in points})
+    per_seed = [pair([q for q in points if q["seed"] == seed], "samples_per_s") for seed in seeds]
+    # the learner bounds every point (it hardly waits), so its share of wall time spent in
+    # optimizer steps is samples/s with the machine's speed divided out: a ratio that load
+    # from other work on the cores changes much less than samples/s
+    trains = [pair([q for q in points if q["seed"] == seed], "learner_train_fraction")
+              for seed in seeds]  # fmt: skip
+    return {
+        "speedup_eta4_vs_eta0": _ratio(fast, base),
+        "speedup_loss": first,
+        "inflight_eta1_over_between_eta4": _ratio(
+            by(points, first, 1, "samples_per_s", "in_flight"), fast
+        ),
+        "inflight_eta1_over_between_eta4_per_seed": [r for r in per_seed if r is not None],
+        "inflight_eta1_over_between_eta4_train_fraction": pair(points, "learner_train_fraction"),
+        "inflight_eta1_over_between_eta4_per_cpu_s": pair(points, "samples_per_cpu_s"),
+        "inflight_eta1_over_between_eta4_train_fraction_per_seed": [
+            r for r in trains if r is not None
+        ],
+        "final_reward_inflight_eta1_minus_between_eta0": _difference(
+            by(points, first, 1, "final_reward", "in_flight"), by(points, first, 0, "final_reward")
+        ),
+        # the same at the step count every point reached: learning per sample, not per second
+        "final_reward_inflight_eta1_minus_between_eta0_at_fixed_steps": _difference(
+            by(points, first, 1, "reward_at_fixed_steps_value", "in_flight"),
+            by(points, first, 0, "reward_at_fixed_steps_value"),
+        ),
+        **eta8_minus_eta0(points, first),
+        "samples_per_s_by_eta": {loss: table(between, loss, "samples_per_s") for loss in losses},
+        "final_reward_by_eta": {loss: table(between, loss, "final_reward") for loss in losses},
+        "by_mode": {
+            mode: {
+                key: table(
+                    [q for q in points if q.get("weight_update", "between_groups") == mode],
+                    first,
+                    key,
+                )
+                for key in MODE_KEYS
+            }
+            for mode in modes
+        },  # fmt: skip
+    }
+
+
+def eta8_minus_eta0(points: list[dict[str, Any]], loss: str) -> dict[str, Any]:
+    """`final_reward_eta8_minus_eta0`: bench/results/stability.json's (the losses' own bench,
+    median of its seeds, same step budget) when that file exists, else this sweep's (first
+    loss, between-groups, median of seeds); `..._from` says which."""
+    mine = _difference(by(points, loss, 8, "final_reward"), by(points, loss, 0, "final_reward"))
+    out = {"final_reward_eta8_minus_eta0_this_sweep": mine}
+    stability = REPO / "bench" / "results" / "stability.json"
+    data = json.loads(stability.read_text()) if stability.is_file() else {}
+    if "final_reward_eta8_minus_eta0" in data:
+        return out | {
+            "final_reward_eta8_minus_eta0": data["final_reward_eta8_minus_eta0"],
+            "final_reward_eta8_minus_eta0_from": {
+                "file": "bench/results/stability.json", "command": data.get("command"),
+            },
+        }  # fmt: skip
+    return out | {
+        "final_reward_eta8_minus_eta0": mine,
+        "final_reward_eta8_minus_eta0_from": {"file": "this sweep", "loss": loss},
+    }
 
 
 def main() -> None:
@@ -223,7 +346,7 @@ def main() -> None:
     )
     p.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.toml"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--etas", default="0,1,2,4,8")
+    p.add_argument("--etas", default="0,1,2,4,8", help="in this order within each seed")
     p.add_argument("--losses", default="decoupled_ppo,ppo")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument(
@@ -231,59 +354,77 @@ def main() -> None:
     )
     p.add_argument("--modes", default="between_groups", help="actor.weight_update values")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "staleness.json"))
+    p.add_argument("--keep-runs", default="", help="keep every point's run directory under here")
+    p.add_argument("--summarise", default="", metavar="JSON",
+                   help="no runs: summarise and plot the points of an earlier result again")  # fmt: skip
     args = p.parse_args()
+    if args.summarise:
+        resummarise(Path(args.summarise), Path(args.out))
+        return
     cfg = load_config(args.config, args.set)
     etas = [int(x) for x in args.etas.split(",")]
     losses = args.losses.split(",")
+    modes = args.modes.split(",")
     from asyncrl.tiny_model import ensure_model
 
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point
-    # interleaved (each η's losses back to back) so slow drifts in machine load hit all alike
-    modes = args.modes.split(",")
-    combos = [(loss, eta, seed, mode) for seed in range(args.seeds) for eta in etas
-              for mode in modes for loss in losses]  # fmt: skip
-    points = []
-    with tempfile.TemporaryDirectory(prefix="asyncrl-staleness-") as tmp:
-        for i, (loss, eta, seed, mode) in enumerate(combos, 1):
-            print(
-                f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed} {mode}: running for {args.budget_s:.0f} s ...",
-                flush=True,
-            )
-            start = time.perf_counter()
-            point = run_point(cfg, loss, eta, cfg.run.seed + seed, args.budget_s, Path(tmp), mode)
-            point["prompt_tokens"] = cfg.task.num_digits + 2  # <bos>, digits, ':'
-            points.append(point)
-            print(f"[{i}/{len(combos)}]   {point['samples_per_s']:.1f} samples/s, learner waits {point['learner_wait_fraction']:.0%}, "
-                  f"reward {point['final_reward']:.3f}, mean staleness {point['staleness_mean']:.2f} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    points = sweep(cfg, losses, etas, modes, args.seeds, args.budget_s, args.keep_runs)
     reward_at(points)
-    between = [q for q in points if q["weight_update"] == "between_groups"]
-    first = losses[0]
-    base = by(points, first, 0, "samples_per_s")
-    fast = by(points, first, 4, "samples_per_s")
     out = Path(args.out)
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
         "config": cfg.to_dict(),
         "environment": environment(),
         "budget_s": args.budget_s,
-        "speedup_eta4_vs_eta0": fast / base if base and fast else None,
-        "speedup_loss": first,
-        "inflight_eta1_over_between_eta4": _ratio(
-            by(points, first, 1, "samples_per_s", "in_flight"), fast
-        ),
-        "final_reward_eta8_minus_eta0": _difference(
-            by(points, first, 8, "final_reward"), by(points, first, 0, "final_reward")
-        ),
-        "samples_per_s_by_eta": {loss: {str(e): spread([q["samples_per_s"] for q in between if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
-        "final_reward_by_eta": {loss: {str(e): spread([q["final_reward"] for q in between if q["loss"] == loss and q["max_staleness"] == e]) for e in etas} for loss in losses},
+        **summarise(points, losses, etas, modes, cfg.samples_per_step),
         "points": points,
-    }  # fmt: skip
+    }
     write_json(out, result)
-    plot(between or points, losses, etas, out.parent)
-    print(
-        f"speedup η=4 vs η=0 ({first}): {result['speedup_eta4_vs_eta0']}; wrote {out}", flush=True
-    )
+    plot(points, losses, etas, out, modes)
+    print(f"speedup η=4 vs η=0 ({losses[0]}): {result['speedup_eta4_vs_eta0']}; in-flight η=1 "
+          f"over between-groups η=4: {result['inflight_eta1_over_between_eta4']}; wrote {out}",
+          flush=True)  # fmt: skip
+
+
+def resummarise(src: Path, out: Path) -> None:
+    """The top-level figures and plots of `src`'s points again (with this file's summary code),
+    written to `out`; the runs' own command stays, this one is added as `summarised_by`."""
+    data = json.loads(src.read_text())
+    points = data["points"]
+    losses = list(dict.fromkeys(q["loss"] for q in points))
+    etas = list(dict.fromkeys(q["max_staleness"] for q in points))
+    modes = list(dict.fromkeys(q.get("weight_update", "between_groups") for q in points))
+    per_step = data["config"]["learner"]["groups_per_step"] * data["config"]["actor"]["group_size"]
+    data.update(summarise(points, losses, etas, modes, per_step))
+    data["summarised_by"] = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
+    write_json(out, data)
+    plot(points, losses, etas, out, modes)
+    print(f"in-flight η=1 over between-groups η=4: {data['inflight_eta1_over_between_eta4']}, "
+          f"learner training share: {data['inflight_eta1_over_between_eta4_train_fraction']}")  # fmt: skip
+
+
+def sweep(cfg: RunConfig, losses: list[str], etas: list[int], modes: list[str], seeds: int,
+          budget_s: float, keep: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Every point, interleaved (per seed: each η's modes and losses back to back) so slow
+    drifts in machine load hit all alike; run directories under `keep` (else a temporary one)."""
+    combos = [(loss, eta, seed, mode) for seed in range(seeds) for eta in etas
+              for mode in modes for loss in losses]  # fmt: skip
+    points = []
+    with tempfile.TemporaryDirectory(prefix="asyncrl-staleness-") as tmp:
+        for i, (loss, eta, seed, mode) in enumerate(combos, 1):
+            print(f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed} {mode}: running for "
+                  f"{budget_s:.0f} s (loadavg {os.getloadavg()[0]:.1f}) ...", flush=True)  # fmt: skip
+            start = time.perf_counter()
+            point = run_point(
+                cfg, loss, eta, cfg.run.seed + seed, budget_s, Path(keep or tmp), mode
+            )
+            point["prompt_tokens"] = cfg.task.num_digits + 2  # <bos>, digits, ':'
+            points.append(point)
+            print(f"[{i}/{len(combos)}]   {point['samples_per_s']:.1f} samples/s, learner waits {point['learner_wait_fraction']:.0%}, "
+                  f"actor waits {point['actor_wait_fraction']:.0%}, reward {point['final_reward']:.3f}, "
+                  f"mean staleness {point['staleness_mean']:.2f}, dropped {point['dropped_stale']}, "
+                  f"{point['inflight_updates']} in-flight updates ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    return points
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -25,6 +25,9 @@ measured run per staleness bound. Numbers may be plain or `{"median": x, "min": 
       steps                    optional: learner steps of the run (with dropped_stale: the
                                actor's rounds, for its time outside generation)
       dropped_stale            optional: groups dropped as stale over the run
+      config.actor.weight_update  optional: between_groups (default) or in_flight
+      inflight_updates         optional: weight loads that paused generation over the run
+      inflight_pause_s         optional: seconds one such pause took (load + KV recompute)
       generation_batches       optional: [[seqs, max_len, total_tokens, seconds], ...] per batch
       step_records             optional: [[tokens, seconds], ...] per learner step
       step_time_quantiles      optional: equally spaced quantiles of the learner step times
@@ -38,6 +41,9 @@ Free parameters, fitted by non-negative least squares on relative errors:
 - learner: overhead_s and token_s of `timing.LearnerTime` (world from the config), per loss
   (the losses do different work per step);
 - weight sync: the measured mean `sync_s` as one constant per publication;
+- in-flight pause: the mean measured `inflight_pause_s` of the in-flight points that had
+  updates (their `generate_time_s` includes the pauses, which come off it first: the model
+  adds them back where weights land mid-batch);
 - message latency (`SimConfig.message_latency_s`), from the η = 0 points alone: there every
   hand-off is on the critical path and generation and training never overlap, so a step's
   mean period is the sum of the mean times plus latency × the hops of one cycle, whatever the
@@ -51,7 +57,9 @@ Free parameters, fitted by non-negative least squares on relative errors:
 Two times are not fitted but read off each point's own clock and averaged:
 - the learner's time per step outside its optimizer step and its wait for data (weight
   snapshot for the publication, the Version message, the metrics log):
-  S / samples_per_s · (1 - learner_wait_fraction) - step_time_s, per loss;
+  S / samples_per_s · (1 - learner_wait_fraction) - step_time_s, per loss; it is simulated
+  after the step's publication (`LearnerTime.after_s`), as the learner logs its metrics while
+  the actors already generate with the new weights;
 - the actor's time per round outside engine.generate and its waits (scoring, packing and
   pushing groups, loading weights): (1 - actor_wait_fraction) · wall / rounds - generate_time_s,
   with rounds = (steps · B + dropped_stale) / concurrency (full rounds assumed); when a point
@@ -115,6 +123,8 @@ class Point:
     actor_outside_s: float
     mean_staleness: float | None
     dropped_per_step: float | None
+    inflight_updates: float = 0.0
+    inflight_pause_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,8 @@ class Calibration:
     """Per loss."""
     sync_s: float
     message_latency_s: float
+    inflight_pause_s: float
+    """Mean pause of one in-flight update over the in-flight points with updates (0 without)."""
     latency_fit: dict[str, Any]
     """How the latency was found: per η = 0 point its estimate and the hops per step."""
     generation_fit_rel_err: list[float]
@@ -185,11 +197,14 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
     actor_wait = _num(raw, "actor_wait_fraction", where)
     generate_s = _num(raw, "generate_time_s", where)
     actor_outside = 0.0
+    updates = _num(raw, "inflight_updates", where, 0.0)
+    pause = _num(raw, "inflight_pause_s", where, 0.0)
     if isinstance(raw.get("steps"), (int, float)) and raw["steps"] > 1:
         n = float(raw["steps"])
         dropped = _num(raw, "dropped_stale", where, 0.0)
         rounds = (n * cfg.learner.groups_per_step + dropped) / cfg.actor.concurrency
         actor_outside = max(0.0, (1 - actor_wait) * n * period / rounds - generate_s)
+        generate_s = max(1e-9, generate_s - updates * pause / rounds)  # the pauses come off
     return Point(
         cfg=cfg,
         max_staleness=eta,
@@ -214,6 +229,8 @@ def _point(base: dict[str, Any], raw: dict[str, Any], where: str) -> Point:
         dropped_per_step=_num(raw, "dropped_stale", where) / float(raw["steps"])
         if isinstance(raw.get("steps"), (int, float)) and "dropped_stale" in raw
         else None,
+        inflight_updates=updates,
+        inflight_pause_s=pause,
     )
 
 
@@ -319,7 +336,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
         world=point.cfg.learner.world,
         overhead_s=fit.overhead_s,
         token_s=fit.token_s,
-        snapshot_s=fit.outside_s,
+        after_s=fit.outside_s,
     )
     generation = dataclasses.replace(
         cal.generation, fixed_s=cal.generation.fixed_s + point.actor_outside_s
@@ -327,7 +344,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
     sync_s = cal.sync_s
     if own_times:
         generation = GenerationTime(fixed_s=point.generate_time_s + point.actor_outside_s)
-        learner = LearnerTime(overhead_s=point.step_time_s + point.learner_outside_s)
+        learner = LearnerTime(overhead_s=point.step_time_s, after_s=point.learner_outside_s)
         sync_s = point.sync_s
     if spread:
         generation = dataclasses.replace(generation, spread=point.generate_spread)
@@ -341,6 +358,7 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
         learner=learner,
         sync=WeightSync(num_buckets=1, bucket_latency_s=sync_s),
         message_latency_s=cal.message_latency_s,
+        inflight_pause_s=point.inflight_pause_s if own_times else cal.inflight_pause_s,
     )
 
 
@@ -380,8 +398,10 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
         for i, e in zip(idx, errs, strict=True):
             step_errs[i] = e
     sync_s = float(np.mean([p.sync_s for p in points]))
+    pauses = [p.inflight_pause_s for p in points if p.inflight_updates > 0]
     cal = Calibration(
-        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0, latency_fit={},
+        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0,
+        inflight_pause_s=float(np.mean(pauses)) if pauses else 0.0, latency_fit={},
         generation_fit_rel_err=gen_errs, step_fit_rel_err=step_errs, points=[],
     )  # fmt: skip
     latency, how = fit_latency(points, cal, num_steps, warmup_steps, spread)
@@ -412,6 +432,7 @@ def _compare(p: Point, sim: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "max_staleness": p.max_staleness,
         "loss": p.loss,
+        "weight_update": p.cfg.actor.weight_update,
         "measured": {
             "samples_per_s": p.samples_per_s,
             "learner_wait_fraction": p.learner_wait_fraction,

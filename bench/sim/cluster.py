@@ -13,7 +13,11 @@ derivations are first-order rooflines, not measurements:
 - weight publication: the learner gathers full bf16 buckets (hierarchical, blocking: the
   snapshot), then broadcasts them pipelined over InfiniBand to every actor (a pipelined
   broadcast costs about bytes / link bandwidth regardless of the number of receivers), paying
-  `bucket_latency_s` per bucket of the real `BucketPlan` of the model's parameter list.
+  `bucket_latency_s` per bucket of the real `BucketPlan` of the model's parameter list;
+- in-flight update (the pause of a generating actor): the engine copies the received weights
+  into its own (2 · bytes over HBM) and recomputes the KV cache of its sequences in flight, a
+  prefill of each group's prompt once and of every sequence's tokens so far (half its mean
+  length, on average), times `inflight_recompute`.
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ class ClusterAssumptions:
     """Weight broadcast bucket size (weights.bucket_bytes): 1 GiB."""
     bucket_latency_s: float = 5e-3
     """Per bucket: announce, collective launch, pipeline fill across the broadcast tree."""
+    inflight_recompute: float = 1.0
+    """Share of the in-flight context whose KV cache an in-flight update recomputes: 1 =
+    asyncrl's engines (every later token from exactly one version), 0 = a kept cache."""
 
     # --- derived --------------------------------------------------------------------------------
 
@@ -157,6 +164,18 @@ class ClusterAssumptions:
             snapshot_s=self._hierarchical_s(param_bytes),
         )
 
+    def inflight_pause(self, num_params: int) -> tuple[float, float]:
+        """(fixed, per sequence) seconds of one in-flight update's pause (see the module)."""
+        load_s = (
+            2
+            * num_params
+            * self.dtype_bytes
+            / (self.gpu_hbm_bytes_per_s * self.decode_hbm_efficiency)
+        )
+        per_token_s = 2 * num_params / (self.gpu_bf16_flops * self.prefill_mfu)
+        tokens = self.prompt_tokens / self.group_size + self.lengths().mean_tokens() / 2
+        return load_s, self.inflight_recompute * tokens * per_token_s
+
     def _hierarchical_s(self, nbytes: float) -> float:
         """One all-gather (or reduce-scatter) of `nbytes` over the learner's nodes."""
         nodes = max(1, self.world // self.gpus_per_node)
@@ -184,4 +203,7 @@ class ClusterAssumptions:
             "generation": asdict(self.generation(num_params)),
             "learner": asdict(self.learner(num_params)),
             "sync": asdict(self.sync(plan)) | {"seconds": self.sync(plan).seconds},
+            "inflight_pause_s": dict(
+                zip(("fixed", "per_seq"), self.inflight_pause(num_params), strict=True)
+            ),
         }

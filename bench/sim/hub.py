@@ -82,7 +82,7 @@ class SimHub:
         self.credit_serial = 0
         self.parked: collections.deque[int] = collections.deque()  # requests' num_groups
         self.num_dropped_stale = 0
-        self._templates: dict[int, dict[str, Any]] = {}  # version -> Group fields
+        self._templates: dict[tuple[int, int], dict[str, Any]] = {}  # (min, max) -> fields
 
     @property
     def policy_version(self) -> int:
@@ -167,18 +167,21 @@ class SimHub:
             self.prompts.reissue(group.prompt_id)
         self.num_dropped_stale += len(groups)
 
-    def make_group(self, actor_id: str, seq: int, credit: Credit, policy_version: int) -> Group:
-        """A real Group for this credit, every sample stamped with `policy_version`."""
-        fields = self._templates.get(policy_version)
+    def make_group(self, actor_id: str, seq: int, credit: Credit, policy_version: int,
+                   max_version: int | None = None) -> Group:  # fmt: skip
+        """A real Group for this credit, every sample's tokens made by `policy_version` (the
+        oldest, which staleness counts from) up to `max_version` (default: the same)."""
+        versions = (policy_version, policy_version if max_version is None else max_version)
+        fields = self._templates.get(versions)
         if fields is None:
-            template = self._template(policy_version)
+            template = self._template(*versions)
             fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(Group)}
-            self._templates[policy_version] = fields
+            self._templates[versions] = fields
         identity = {"group_id": f"{actor_id}/{seq}", "prompt_id": credit.prompt_id,
                     "credit_id": credit.credit_id, "actor_id": actor_id, "seq": seq}  # fmt: skip
         return Group(**(fields | identity))
 
-    def _template(self, policy_version: int) -> Group:
+    def _template(self, policy_version: int, max_version: int) -> Group:
         sample = Trajectory(
             tokens=np.zeros(2, np.int32),
             prompt_len=1,
@@ -186,7 +189,7 @@ class SimHub:
             behavior_logprobs=np.zeros(1, np.float32),
             reward=0.0,
             min_policy_version=policy_version,
-            max_policy_version=policy_version,
+            max_policy_version=max_version,
             finish_reason="stop",
         )
         return Group.build(

@@ -40,11 +40,20 @@ event that changes the hub's state, the hub grants credits and serves the parked
 Version, a batch) acts `message_latency_s` after it is sent (a delivery event, after the
 learner's step ends and before actors start at the same instant); with 0 it acts at once, in
 the sender's event. Versions and staleness follow the real system: an actor stamps its whole
-batch with the version loaded at the batch's start (min = max policy version); the learner
+batch with the version loaded at the batch's start (min = max policy version, between groups;
+in flight, max is the last version loaded during the batch); the learner
 consumes at version v and the hub records staleness v - min_policy_version.
 
 Measurements cover steps `warmup_steps + 1 .. num_steps`: the window runs from the end of step
 `warmup_steps` (time 0 when it is 0) to the end of step `num_steps`.
+
+In-flight weight updates (`weight_update = "in_flight"`, `actors/engines/*`): a sync that lands
+while an actor generates is loaded at once, the batch pausing `inflight_pause_s` (+ per
+sequence `inflight_pause_per_seq_s`: the load and the KV recompute) and going on under the new
+weights; the actor reports the load (WeightsLoaded), so the hub's window for its next credits
+moves up at once. Its groups span the versions from the batch's start to its end, and the hub
+counts their staleness from the oldest (`min_policy_version`), as asyncrl's does. The actor
+still waits for weights >= c - η before it starts a batch (its oldest tokens would be stale).
 
 Not modelled: the hub's own processing time (apart from the message latency), actor failures
 and heartbeats, heterogeneous actors, an engine's batch limit (a batch beyond vLLM's
@@ -112,6 +121,16 @@ class SimConfig:
     pipeline_requests: bool = True
     """asyncrl's learner: the request for step k+1 (version v+1) goes out as soon as batch k
     arrives. False = a learner that requests (version v+1) only after its step."""
+    weight_update: Literal["between_groups", "in_flight"] = "between_groups"
+    """When an actor loads new weights (actor.weight_update): at the end of its batch, or,
+    `in_flight`, also while it generates: the batch pauses `inflight_pause_s` and goes on under
+    the new weights, its groups spanning versions (admitted by their oldest token)."""
+    inflight_pause_s: float = 0.0
+    """What one in-flight update costs a generating actor, a pause between two decode steps:
+    the weight load and the KV recompute of the sequences in flight (their part that does not
+    grow with the batch)."""
+    inflight_pause_per_seq_s: float = 0.0
+    """The pause's part per sequence of the batch (recomputing its context so far)."""
     message_latency_s: float = 0.0
     """One-way delay of every message between the actors, the hub and the learner (credits,
     groups, WeightsLoaded, SampleRequest, Version, batches): transport, decode and the
@@ -137,6 +156,13 @@ class SimConfig:
                 f"publish_every: must be <= max_staleness + 1 = {self.max_staleness + 1}, "
                 f"got {self.publish_every} (a version no published weights can serve)"
             )
+        for name in ("inflight_pause_s", "inflight_pause_per_seq_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.weight_update not in ("between_groups", "in_flight"):
+            raise ValueError(
+                f"weight_update: between_groups or in_flight, got {self.weight_update!r}"
+            )
         if not self.message_latency_s >= 0:
             raise ValueError(f"message_latency_s: must be >= 0, got {self.message_latency_s}")
         if not 0 <= self.warmup_steps < self.num_steps:
@@ -159,6 +185,7 @@ class SimConfig:
             capacity_groups=cfg.replay.capacity_groups,
             sampling=cfg.replay.sampling,
             publish_every=cfg.learner.publish_every,
+            weight_update=cfg.actor.weight_update,
         )
         return cls(**{**shape, **kwargs})
 
@@ -189,6 +216,12 @@ class SimResult:
     mean_step_s: float
     mean_generate_s: float
     mean_batch_seqs: float
+    inflight_updates: int
+    """Weight loads that paused a generating actor (in_flight only)."""
+    mixed_version_frac: float
+    """Share of consumed groups whose tokens span more than one version."""
+    tokens_per_weight_version: float
+    """Completion tokens generated per weight load, over all actors."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -298,12 +331,20 @@ class Simulation:
     def load_weights(self, actor: _Actor) -> bool:
         """Swap in the newest available weights, if newer, and tell the hub (WeightsLoaded).
 
-        Called whenever an actor is not generating and weights may have changed: at the end of
-        its batch (the generation boundary) and, for idle actors, when a sync lands.
+        Called at the end of an actor's batch (the generation boundary) and, when a sync lands,
+        for every actor: idle ones swap at once; generating ones only with in-flight updates,
+        whose batch then ends `inflight_pause_s` later (the load and the KV recompute).
         """
-        if actor.busy or actor.version >= self.weights.available:
+        if actor.version >= self.weights.available:
             return False
+        if actor.busy:
+            if self.cfg.weight_update != "in_flight":
+                return False
+            actor.done_at += self.cfg.inflight_pause_s
+            actor.done_at += self.cfg.inflight_pause_per_seq_s * actor.batch_seqs
+            self.track.inflight_update()
         actor.version = self.weights.available
+        self.track.weights_loaded()
         self.to_hub(self.hub.weights_loaded, actor.actor_id, actor.version)
         return True
 
@@ -320,23 +361,29 @@ class Simulation:
                 return
         batch = self.cfg.concurrency
         credits, actor.held = actor.held[:batch], actor.held[batch:]
-        actor.busy = True
-        n = len(credits) * self.cfg.group_size
+        actor.busy, actor.batch_version = True, actor.version
+        n = actor.batch_seqs = len(credits) * self.cfg.group_size
         lengths = self.lengths.take(n)
         seconds = self.cfg.generation.seconds(lengths, self.cfg.lengths.prompt_tokens)
         seconds *= self.gen_spread.draw()
         self.track.actor_started(+1)
-        self.at(self.now + seconds, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
-        self.track.generation(seconds, n)
+        actor.done_at = self.now + seconds
+        self.at(actor.done_at, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
+        self.track.generation(seconds, n, sum(lengths))
 
     def actor_done(self, arg: tuple[_Actor, list[Credit], list[int]]) -> None:
-        """Push one group per credit, stamped with the version the batch started with."""
+        """Push one group per credit, its tokens made by versions batch_version .. version
+        (the same one unless in-flight updates came); later if in-flight pauses came."""
         actor, credits, lengths = arg
+        if self.now < actor.done_at:
+            self.at(actor.done_at, PRIO_GEN_DONE, self.actor_done, arg)
+            return
         size = self.cfg.group_size
         prompt_tokens = self.cfg.lengths.prompt_tokens * size
         groups = []
         for i, credit in enumerate(credits):
-            groups.append(self.hub.make_group(actor.actor_id, actor.seq, credit, actor.version))
+            groups.append(self.hub.make_group(actor.actor_id, actor.seq, credit,
+                                              actor.batch_version, actor.version))  # fmt: skip
             tokens = sum(lengths[i * size : (i + 1) * size]) + prompt_tokens
             self.group_tokens[(actor.actor_id, actor.seq)] = tokens
             actor.seq += 1
@@ -373,9 +420,10 @@ class Simulation:
             self.learner_request(self.policy_version + 1)  # the hub prepares the next batch
         tokens = sum(self.group_tokens.pop((g.actor_id, g.seq)) for g in groups)
         staleness = [self.policy_version - g.min_policy_version for g in groups]
+        mixed = sum(1 for g in groups if g.max_policy_version > g.min_policy_version)
         seconds = self.cfg.learner.seconds(tokens) * self.step_spread.draw()
         self.track.step(
-            self.steps_done + 1, self.cfg.warmup_steps, wait_s, seconds, tokens, staleness
+            self.steps_done + 1, self.cfg.warmup_steps, wait_s, seconds, tokens, staleness, mixed
         )
         self.at(self.now + seconds, PRIO_STEP_DONE, self.learner_done)
 
@@ -388,13 +436,20 @@ class Simulation:
             self.publish(self.policy_version)
         self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)
         if self.steps_done < self.cfg.num_steps:
-            self.waiting_since = self.now
-            if not self.cfg.pipeline_requests:
-                self.learner_request(self.policy_version)
-            if self.inbox is not None:
-                batch, self.inbox = self.inbox, None
-                self.learner_start(batch)
-            self.hub_tick()
+            if self.cfg.learner.after_s:  # metrics and logs, while the actors generate
+                self.at(self.now + self.cfg.learner.after_s, PRIO_STEP_DONE, self.learner_ready)
+            else:
+                self.learner_ready()
+
+    def learner_ready(self, _arg: Any = None) -> None:
+        """The learner turns to its next batch: from the inbox, or it waits (and asks)."""
+        self.waiting_since = self.now
+        if not self.cfg.pipeline_requests:
+            self.learner_request(self.policy_version)
+        if self.inbox is not None:
+            batch, self.inbox = self.inbox, None
+            self.learner_start(batch)
+        self.hub_tick()
 
     # --- weights --------------------------------------------------------------------------------
 
@@ -431,6 +486,9 @@ class _Actor:
     busy: bool = False
     start_pending: bool = False
     version: int = 0
+    batch_version: int = 0  # the version loaded when its batch started: its oldest tokens'
+    done_at: float = 0.0  # when its batch ends (in-flight pauses push it back)
+    batch_seqs: int = 0
     seq: int = 0
     min_weights: int = 0  # the weights version its credits require (c - η, the largest c)
 

@@ -150,13 +150,16 @@ class LearnerTime:
     """Exposed gradient reduction time per step (not hidden behind backward)."""
     snapshot_s: float = 0.0
     """Copying weights into staging buffers before a publication; the learner waits for it."""
+    after_s: float = 0.0
+    """After a step's publication, before the learner takes its next batch (metrics, logs):
+    not part of `seconds`, and overlapping the actors' generation."""
     spread: tuple[float, ...] = ()
     """Quantiles of measured step times; empty = every step takes the modelled time."""
 
     def __post_init__(self) -> None:
         if self.world < 1:
             raise ValueError(f"learner.world: must be >= 1, got {self.world}")
-        if min(self.overhead_s, self.token_s, self.allreduce_s, self.snapshot_s) < 0:
+        if min(self.overhead_s, self.token_s, self.allreduce_s, self.snapshot_s, self.after_s) < 0:
             raise ValueError(f"learner: every time must be >= 0, got {self}")
         check_spread(self.spread, "learner.spread")
 

@@ -7,7 +7,9 @@ at the end, so hand-computable cases (dyadic times) come out exact:
 - learner idle fraction = Σ (batch arrival - request) over the window's steps / window;
 - actor idle fraction   = ∫ (actors not generating) dt over the window / (A · window);
 - staleness             = policy_version - min_policy_version of each consumed group;
-- drops                 = the hub's stale-drop counter at the window's end minus its start.
+- drops                 = the hub's stale-drop counter at the window's end minus its start;
+- in-flight updates, weight loads and completion tokens generated count inside the window;
+  mixed-version share = consumed groups spanning versions / consumed groups.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Tracker:
         self.gen_batches = self.gen_seqs = self.generated_samples = 0
         self.gen_s = 0.0
         self.sync_latencies: list[float] = []
+        self.inflight_updates = self.loads = self.gen_tokens = self.mixed = 0
 
     def begin(self, warmup_steps: int) -> None:
         if warmup_steps == 0:
@@ -49,11 +52,18 @@ class Tracker:
     def actor_started(self, delta: int) -> None:
         self.busy_actors += delta
 
-    def generation(self, seconds: float, seqs: int) -> None:
+    def generation(self, seconds: float, seqs: int, tokens: int = 0) -> None:
         if self.open:
             self.gen_batches += 1
             self.gen_seqs += seqs
             self.gen_s += seconds
+            self.gen_tokens += tokens
+
+    def inflight_update(self) -> None:
+        self.inflight_updates += self.open
+
+    def weights_loaded(self) -> None:
+        self.loads += self.open
 
     def generated(self, samples: int) -> None:
         if self.open:
@@ -64,7 +74,7 @@ class Tracker:
             self.sync_latencies.append(latency_s)
 
     def step(self, step_index: int, warmup_steps: int, wait_s: float, seconds: float,
-             tokens: int, staleness: list[int]) -> None:  # fmt: skip
+             tokens: int, staleness: list[int], mixed: int = 0) -> None:  # fmt: skip
         """A batch arrived for step `step_index` (1-based)."""
         if step_index <= warmup_steps:
             return
@@ -72,6 +82,7 @@ class Tracker:
         self.wait_s += wait_s
         self.step_s += seconds
         self.tokens += tokens
+        self.mixed += mixed
         for s in staleness:
             assert 0 <= s < len(self.hist), f"the hub handed out a group of staleness {s}"
             self.hist[s] += 1
@@ -106,6 +117,9 @@ class Tracker:
             mean_step_s=self.step_s / self.steps,
             mean_generate_s=self.gen_s / max(1, self.gen_batches),
             mean_batch_seqs=self.gen_seqs / max(1, self.gen_batches),
+            inflight_updates=self.inflight_updates,
+            mixed_version_frac=self.mixed / max(1, consumed),
+            tokens_per_weight_version=self.gen_tokens / max(1, self.loads),
         )
 
 

@@ -42,6 +42,14 @@ def test_sweep_writes_wellformed_results(tmp_path: Path) -> None:
         assert point["reward_at_fixed_steps"]["steps"] >= 3
         assert point["weight_update"] == "between_groups" and point["inflight_updates"] == 0
         assert point["tokens_per_weight_version"] > 0
+        assert point["config"] == {"actor": {"weight_update": "between_groups"}}
+        assert point["inflight_pause_s"] == 0.0 and point["weights_loaded"] >= 1
+        assert point["weight_load_s"] > 0 and len(point["loadavg"]) == 3
     assert data["inflight_eta1_over_between_eta4"] is None  # no in-flight point in this sweep
+    assert data["inflight_eta1_over_between_eta4_per_seed"] == []
+    table = data["by_mode"]["between_groups"]
+    assert table["samples_per_s"]["4"]["median"] == data["points"][1]["samples_per_s"]
+    assert table["dropped_stale"]["0"]["n"] == 1
+    assert "file" in data["final_reward_eta8_minus_eta0_from"]  # η = 8 not swept here
     for name in ("staleness_throughput.png", "staleness_reward.png"):
         assert (tmp_path / name).stat().st_size > 1000

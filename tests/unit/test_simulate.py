@@ -434,6 +434,8 @@ def test_cli_calibrate_and_predict(tmp_path: Path) -> None:
     subprocess.run(predict, check=True, capture_output=True, cwd=tmp_path)
     data = json.loads(out.read_text())
     assert [p["max_staleness"] for p in data["predictions"]] == [0, 2]
+    assert [p["weight_update"] for p in data["predictions_in_flight"]] == ["in_flight"] * 2
+    assert data["derived"]["inflight_pause_s"]["per_seq"] > 0
     assert data["assumptions"]["world"] == 8 and data["command"].startswith("python bench/")
     assert data["calibration"]["status"] == "ok" and png.stat().st_size > 0
     calibrate_cmd = [sys.executable, script, "calibrate", "--measured", str(measured),
