@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import queue
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,13 +185,15 @@ class LearnerObserver:
         lengths = [s - p for g in batch.groups for s, p in zip(g.seq_lens, g.prompt_lens, strict=True)]  # fmt: skip
         found: list[Kept] = []
         if z > 0 and len(self.recent) >= 5:
-            past_r = [r for rs, _ in self.recent for r in rs]
-            past_l = [n for _, ls in self.recent for n in ls]
+            reward_mean, reward_std = _mean_std([r for rs, _ in self.recent for r in rs])
+            length_mean, length_std = _mean_std([n for _, ls in self.recent for n in ls])
+            reward_bound, length_bound = z * max(reward_std, 1e-3), z * max(length_std, 1.0)
             flat = [(g, i) for g, group in enumerate(batch.groups) for i in range(group.size)]
             for (g, i), r, n in zip(flat, rewards, lengths, strict=True):
-                why = _outlier(r, past_r, z, 1e-3, "reward") or _long(n, past_l, z)
-                if why:
-                    found.append(Kept(g, i, why))
+                if abs(r - reward_mean) > reward_bound:
+                    found.append(Kept(g, i, "outlier:reward"))
+                elif n - length_mean > length_bound:  # long only: learning to stop early is
+                    found.append(Kept(g, i, "outlier:length"))  # the common case
         self.recent.append((rewards, lengths))
         return found
 
@@ -233,18 +234,10 @@ class LearnerObserver:
             self.wandb.finish()
 
 
-def _outlier(value: float, past: list[float], z: float, floor: float, name: str) -> str:
-    mean = sum(past) / len(past)
-    std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
-    return f"outlier:{name}" if abs(value - mean) > z * max(std, floor) else ""
-
-
-def _long(length: int, past: list[float], z: float) -> str:
-    """A completion far longer than usual (a length blow-up; short ones are no outliers: a
-    policy that learns to stop early is the common case)."""
-    mean = sum(past) / len(past)
-    std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
-    return "outlier:length" if length - mean > z * max(std, 1.0) else ""
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and (population) standard deviation, computed once per step."""
+    array = np.asarray(values, dtype=np.float64)
+    return float(array.mean()), float(array.std())
 
 
 def start_wandb(cfg: Any, run_dir: Path) -> Any | None:

@@ -106,3 +106,39 @@ def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> N
     assert [(r["name"], r["action"]) for r in records] == [("reward:saturated:format", "warn")]
     assert records[0]["policy_version"] == 11 and records[0]["evidence"]["value"] == 1.0
     assert not learner.stop_event.is_set()
+
+
+def test_outliers_are_judged_against_the_recent_steps(tmp_path: Path) -> None:
+    """A reward far from the recent steps' mean, or a completion far longer, is kept."""
+    import threading
+
+    from asyncrl.config import RunConfig
+    from learner.observe import LearnerObserver
+
+    learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
+                              step=0, live=None, stop_event=threading.Event())  # fmt: skip
+    observer = LearnerObserver(learner)  # type: ignore[arg-type]
+
+    def batch(rewards: list[float], completion: int = 4) -> SimpleNamespace:
+        trajectories = []
+        for reward in rewards:
+            traj = Trajectory(
+                tokens=np.arange(2 + completion, dtype=np.int32), prompt_len=2,
+                loss_mask=np.ones(completion, np.uint8),
+                behavior_logprobs=np.zeros(completion, np.float32), reward=reward,
+                min_policy_version=0, max_policy_version=0, finish_reason="stop",
+            )  # fmt: skip
+            trajectories.append(traj)
+        group = Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
+                            trajectories=trajectories)  # fmt: skip
+        return SimpleNamespace(groups=[group])
+
+    for _ in range(6):  # rewards around 0.5 (std 0.1), 4-token completions
+        assert observer.outliers(batch([0.4, 0.5, 0.6, 0.5])) == []
+    z = RunConfig().trajectories.outlier_z
+    far = 0.5 + (z + 1) * 0.0707  # beyond z standard deviations of the recent rewards
+    kept = observer.outliers(batch([0.5, far, 0.5, 0.5]))
+    assert [(k.group, k.index, k.reason) for k in kept] == [(0, 1, "outlier:reward")]
+    long = observer.outliers(batch([0.5, 0.4, 0.6, 0.5], completion=4 + int(z + 2)))
+    assert {k.reason for k in long} == {"outlier:length"} and len(long) == 4
+    assert observer.outliers(batch([0.5, 0.4, 0.6, 0.5], completion=1)) == []  # short: no
