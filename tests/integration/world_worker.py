@@ -19,7 +19,7 @@ import numpy as np
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol import Batch, Group, Trajectory
 from learner.loop import Learner
-from learner.parallel import Op, init_world, leave_world, ranks_from_env, send_command
+from learner.parallel import Op, exit_rank, init_world, leave_world, ranks_from_env, send_command
 
 
 def make_group(rng: np.random.Generator, group_id: str, size: int) -> Group:
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     if not ranks.is_leader:
         learner.follow()
         leave_world(clean=True)
-        return 0
+        exit_rank(0)
     first = learner.step
     for step in range(first, first + int(steps)):
         learner.optimize(make_batch(step))
@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
     assert learner.publisher is not None
     learner.publisher.close()
     leave_world(clean=True)
+    if ranks.distributed:
+        exit_rank(0)
     return 0
 
 
