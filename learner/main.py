@@ -28,7 +28,6 @@ from learner.observe import LearnerObserver
 from learner.parallel import (
     Op,
     Ranks,
-    exit_rank,
     init_world,
     leave_world,
     ranks_from_env,
@@ -86,8 +85,6 @@ def main(argv: Sequence[str]) -> int:
         leave_world(clean=False)
         raise
     leave_world(clean=True)
-    if ranks.distributed:
-        exit_rank(code)  # everything is written and closed by now (see exit_rank)
     return code
 
 

@@ -36,7 +36,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -120,20 +119,6 @@ def leave_world(clean: bool) -> None:
     if clean:
         dist.barrier()
     dist.destroy_process_group()
-
-
-def exit_rank(code: int) -> NoReturn:
-    """End this rank's process after `leave_world`, skipping the interpreter's teardown.
-
-    Even after a barrier and `destroy_process_group`, gloo's C++ state can abort while the
-    interpreter finalizes ("terminate called without an active exception", SIGABRT) as the
-    peer ranks tear down at the same moment: a rank that finished cleanly must not exit with
-    a signal. Everything is flushed first; Python-level atexit hooks do not run, so whatever
-    must be written is written (and closed) before this.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def shard_model(model: torch.nn.Module, ranks: Ranks) -> None:

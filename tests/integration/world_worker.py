@@ -11,15 +11,27 @@ the others. With `--resume` in the arguments the ranks first resume from RUN_DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol import Batch, Group, Trajectory
 from learner.loop import Learner
-from learner.parallel import Op, exit_rank, init_world, leave_world, ranks_from_env, send_command
+from learner.parallel import Op, init_world, leave_world, ranks_from_env, send_command
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this rank's process after `leave_world`, skipping the interpreter's teardown: gloo's
+    C++ state could still abort a rank that finished cleanly while its peer tears down at the
+    same moment ("terminate called without an active exception"), failing the run by a signal
+    after everything was checked and written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def make_group(rng: np.random.Generator, group_id: str, size: int) -> Group:
