@@ -81,7 +81,9 @@ class DecodeRows:
         self.tokens[active, step], self.logprobs[active, step] = token, logprob
         self.step_versions.append(version)
 
-    def turn_ends(self, active: torch.Tensor, step: int, token: torch.Tensor) -> tuple:
+    def turn_ends(
+        self, active: torch.Tensor, step: int, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(stopped, ended) over the running rows after step `step`: a stop token, or the
         turn's token budget spent."""
         stopped = (token.unsqueeze(1) == self.stop_table[active]).any(dim=1)
