@@ -1,24 +1,39 @@
-"""The hub's write-ahead log: records, group commit, snapshots, recovery (`replay.durability`).
+"""The hub's write-ahead log: group commit, the syncer thread, snapshots, recovery
+(`replay.durability`).
 
     HubState op --journal--> WriteAheadLog.append  (kept in memory: a list of buffers)
-    end of each loop turn --> commit(): the pending records go to the syncer thread, which
-                              writes them (writev, no copy but the kernel's) and fsyncs, one
-                              fsync for everything queued meanwhile (the loop goes on
-                              receiving), then wakes the loop through a pipe; the hub releases
-                              a turn's Acks and Batches once `durable_lsn` covers its records
-    log > snapshot_log_bytes --> snapshot(): state + groups to snapshot.tmp, fsync, rename;
-                                 a new log segment starts and the old one is deleted
+    end of each loop turn --> commit(): the pending records go to the syncer thread as a write
+                              job; it writes them (writev, no copy but the kernel's) and
+                              fsyncs, one fsync for everything queued meanwhile (the loop goes
+                              on receiving), then wakes the loop through a pipe; the hub
+                              releases a turn's Acks and Batches once `durable_lsn` covers them
+    segment > snapshot_log_bytes --> snapshot(): the loop exports the state (meta encoded, groups
+                              referenced or kept as immutable objects), appends to a new segment
+                              from then on and queues a snapshot job between the two segments'
+                              write jobs; the syncer runs the jobs in order:
 
-On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot), `wal-<N>.log`
-(N = the snapshot's `log_id`: the log of the ops that followed it) and `LOCK` (one hub per
-directory). A record is `u32 body_len, u64 xxh3_64(body), body` (xxh3: a 64-bit checksum
-about 8x cheaper than zlib's crc32 on 256 KB groups); body = `u32 meta_len`,
-msgpack `[op, args, [frame lengths]]`, then the frames (a Group's received wire frames, not
-re-encoded). Recovery loads the snapshot, then replays the log record by record with
-`HubState.apply`, and stops at the first record that is torn (the file ends inside it) or
-corrupt (bad length or checksum): that record and everything after it is never loaded, and the
-file is cut there so new records never follow garbage. Nothing was acknowledged for such a
-record (acks leave only after the commit that wrote it), so skipping it loses nothing promised.
+        writes to wal-K (fsync) -> snapshot.tmp, fsync, rename to snapshot.bin, fsync dir
+          -> writes to wal-K+1 (fsync) -> `synced` covers them -> delete wal-K-1
+
+On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot; see
+replay/snapshot.py), `wal-<N>.log` segments and `LOCK` (one hub per directory). The snapshot
+names the segment replayed after it (`log_id` = K+1) and the segment whose `store` records it
+references instead of copying (`ref_log` = K); groups older than K are copied into the snapshot.
+So the directory holds the snapshot, wal-K and wal-K+1: at most capacity groups copied inline
+plus two segments of about `snapshot_log_bytes` each (while a snapshot is written: also
+snapshot.tmp and wal-K-1). Record format: replay/wal_records.py. Record kinds: one per
+HubState op in the log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`,
+...), `snapshot` and `group` in the snapshot file.
+
+Nothing of wal-K+1 is acknowledged before the snapshot that makes it replayable is renamed into
+place, so a crash at any step recovers: before the rename, the old snapshot + wal-K (wal-K+1 is
+deleted at recovery, never appended to); after it, the new snapshot + wal-K+1 (a leftover
+wal-K-1 is deleted). Recovery loads the snapshot (reading referenced records by offset, checked
+like any record), then replays the current segment record by record with `HubState.apply`, and
+stops at the first record that is torn (the file ends inside it) or corrupt (bad length or
+checksum): that record and everything after it is never loaded, and the file is cut there so new
+records never follow garbage. Nothing was acknowledged for such a record (acks leave only after
+the commit that wrote it), so skipping it loses nothing promised.
 
 `fsync = "commit"` makes every commit reach the disk before its acks (survives power loss);
 `"off"` leaves flushing to the OS (survives a killed hub process, not a crashed machine).
@@ -29,24 +44,28 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import msgpack
-import xxhash
-
-from asyncrl.protocol import Group, decode, encode
+from asyncrl.protocol import Group, decode
+from replay.snapshot import SnapshotJob, load_snapshot, prepare, segment_ids, segment_path
 from replay.state import HubState
+from replay.wal_records import (
+    HEADER,
+    TornRecord,
+    fsync_dir,
+    pack_record,
+    read_records,
+    record_size,
+    write_buffers,
+)
 
+__all__ = ["HEADER", "Recovery", "Syncer", "WriteAheadLog", "pack_record", "read_records"]
 log = logging.getLogger("asyncrl.replay")
-HEADER = struct.Struct("<IQ")  # body length, xxh3_64 of the body
-META_LEN = struct.Struct("<I")
-MAX_RECORD_BYTES = 1 << 31  # a longer length field is corruption, not a record
-IOV_MAX = 512  # buffers per writev call
+Write = tuple[int, int, list[Any]]  # a write job: fd, the log position it ends at, buffers
 
 
 @dataclass
@@ -59,74 +78,19 @@ class Recovery:
     reason: str = ""  # why the log ended before the file did ("" = it did not)
 
 
-def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any]) -> list[Any]:
-    """The buffers of one record (header first), ready for writev; frames are not copied."""
-    views = [memoryview(f).cast("B") for f in frames]
-    meta = msgpack.packb([op, args, [v.nbytes for v in views]], use_bin_type=True)
-    parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
-    digest = xxhash.xxh3_64()
-    for part in parts:
-        digest.update(part)
-    body_len = sum(memoryview(p).nbytes for p in parts)
-    return [HEADER.pack(body_len, digest.intdigest()), *parts]
-
-
-def read_records(f: BinaryIO) -> Iterator[tuple[int, str, dict[str, Any], list[bytes]]]:
-    """(offset after the record, op, args, frames) for each sound record; raises `TornRecord`
-    at the first record that is incomplete or fails its checksum."""
-    offset = 0
-    while True:
-        head = f.read(HEADER.size)
-        if not head:
-            return
-        if len(head) < HEADER.size:
-            raise TornRecord(offset, "torn record header")
-        body_len, checksum = HEADER.unpack(head)
-        if not META_LEN.size <= body_len < MAX_RECORD_BYTES:
-            raise TornRecord(offset, f"impossible record length {body_len}")
-        body = f.read(body_len)
-        if len(body) < body_len:
-            raise TornRecord(offset, f"torn record ({len(body)} of {body_len} bytes)")
-        if xxhash.xxh3_64_intdigest(body) != checksum:
-            raise TornRecord(offset, "checksum mismatch")
-        yield offset + HEADER.size + body_len, *_parse_body(memoryview(body), offset)
-        offset += HEADER.size + body_len
-
-
-def _parse_body(body: memoryview, offset: int) -> tuple[str, dict[str, Any], list[bytes]]:
-    (meta_len,) = META_LEN.unpack_from(body)
-    start = META_LEN.size + meta_len
-    try:
-        op, args, lengths = msgpack.unpackb(body[META_LEN.size : start], raw=False)
-    except (ValueError, msgpack.ExtraData) as exc:
-        raise TornRecord(offset, f"unreadable record meta: {exc}") from exc
-    frames = []
-    for n in lengths:
-        frames.append(bytes(body[start : start + n]))
-        start += n
-    return op, args, frames
-
-
-class TornRecord(Exception):
-    """A record that cannot be trusted, at byte `offset` of its file."""
-
-    def __init__(self, offset: int, why: str) -> None:
-        super().__init__(f"{why} at byte {offset}")
-        self.offset, self.why = offset, why
-
-
 class Syncer:
-    """Writes and fsyncs on a thread of its own: `request(fd, lsn, buffers)` queues `buffers`
-    for `fd` and asks for everything up to `lsn` to reach the disk; `synced` then covers `lsn`,
-    and a byte on `wake_fd` says so. Copying records into the page cache is a commit's largest
-    cost after the fsync (most of a durable hub's loop time when the loop did it), so the
-    hub's loop does neither."""
+    """The log's disk work on a thread of its own, in the order it was queued: write jobs
+    (`request(fd, lsn, buffers)`: write, fsync, then `synced` covers `lsn` and a byte on
+    `wake_fd` says so; consecutive ones share one fsync) and snapshot jobs (`snapshot(job)`).
+    Copying records into the page cache is a commit's largest cost after the fsync, and a
+    snapshot's file work takes tens of milliseconds, so the hub's loop does none of it."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.fd, self.target, self.synced = -1, 0, 0
-        self.queue: list[Any] = []  # buffers to write to `fd` before the next fsync
-        self.error: OSError | None = None
+        self.jobs: list[Write | SnapshotJob] = []
+        self.synced = 0
+        self.num_queued = self.num_done = 0  # jobs
+        self.error: Exception | None = None
         self.stopping = False
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
@@ -135,40 +99,80 @@ class Syncer:
         self.thread.start()
 
     def request(self, fd: int, lsn: int, buffers: list[Any]) -> None:
-        with self.cond:
-            assert fd == self.fd or not self.queue, "a new log segment before the old one synced"
-            self.fd, self.target = fd, max(self.target, lsn)
-            self.queue.extend(buffers)
-            self.cond.notify_all()
+        self._queue((fd, lsn, buffers))
 
-    def wait(self, lsn: int) -> None:
-        """Block until `lsn` is synced (snapshots and shutdown only)."""
+    def snapshot(self, job: SnapshotJob) -> int:
+        """Queue a snapshot job; returns its number for `wait`."""
+        return self._queue(job)
+
+    def _queue(self, job: Write | SnapshotJob) -> int:
         with self.cond:
-            self.cond.wait_for(lambda: self.synced >= lsn or self.error is not None)
+            self.jobs.append(job)
+            self.num_queued += 1
+            self.cond.notify_all()
+            return self.num_queued
+
+    def wait(self, job: int | None = None) -> None:
+        """Block until job number `job` (None: every job queued so far) is done."""
+        with self.cond:
+            last = self.num_queued if job is None else job
+            self.cond.wait_for(lambda: self.num_done >= last or self.error is not None)
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.stopping or self.target > self.synced)
-                if self.target <= self.synced:
-                    return  # stopping, nothing left to sync
-                fd, target = self.fd, self.target
-                buffers, self.queue = self.queue, []
+                self.cond.wait_for(lambda: self.stopping or bool(self.jobs))
+                if not self.jobs:
+                    return  # stopping, nothing left to do
+                jobs, self.jobs = self.jobs, []
             try:
-                write_buffers(fd, buffers)
-                os.fsync(fd)
-            except OSError as exc:  # the disk failed: the hub stops acknowledging and exits
+                for path in self._do(jobs):
+                    path.unlink(missing_ok=True)
+                with self.cond:
+                    self.num_done += len(jobs)
+                    self.cond.notify_all()
+            except Exception as exc:  # the disk failed, or a snapshot could not be written:
+                # kept for the loop, which stops acknowledging and exits
                 with self.cond:
                     self.error = exc
                     self.cond.notify_all()
+                self._wake()
                 return
-            with self.cond:
-                self.synced = target
-                self.cond.notify_all()
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # a wake-up is already pending
+
+    def _do(self, jobs: list[Write | SnapshotJob]) -> list[Path]:
+        """Run `jobs` in order; returns the segments the snapshots among them made needless
+        (deleted once the writes after them are synced: nothing waits for that)."""
+        garbage: list[Path] = []
+        fd, lsn, buffers = -1, 0, []
+        for job in jobs:
+            if isinstance(job, SnapshotJob):  # the closing segment is on disk before it
+                self._flush(fd, lsn, buffers)
+                buffers = []
+                garbage += job.run()
+                continue
+            if job[0] != fd and buffers:
+                self._flush(fd, lsn, buffers)
+                buffers = []
+            fd, lsn = job[0], job[1]
+            buffers.extend(job[2])
+        self._flush(fd, lsn, buffers)
+        return garbage
+
+    def _flush(self, fd: int, lsn: int, buffers: list[Any]) -> None:
+        if not buffers:
+            return
+        write_buffers(fd, buffers)
+        os.fsync(fd)
+        with self.cond:
+            self.synced = lsn
+            self.cond.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
 
     def drain(self) -> None:
         try:
@@ -188,8 +192,8 @@ class Syncer:
 
 class WriteAheadLog:
     """The log of one hub state directory; `journal` is what HubState records through. With
-    `background`, writes and fsyncs run on a `Syncer` thread (the hub's loop); without, in
-    `commit`."""
+    `background`, writes, fsyncs and snapshot files are done on a `Syncer` thread (the hub's
+    loop); without, in `commit` and `snapshot`."""
 
     def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
                  background: bool = False) -> None:  # fmt: skip
@@ -208,16 +212,23 @@ class WriteAheadLog:
         self.written_lsn = 0  # handed to the kernel (with a syncer: to the syncer)
         self.syncer = Syncer() if fsync and background else None
         self.log_bytes = 0  # size of the current segment, pending records included
+        # (actor_id, seq) -> (offset, size) of the group's store record in the current segment
+        self.stored_at: dict[tuple[str, int], tuple[int, int]] = {}
+        self.last_snapshot: SnapshotJob | None = None
+        self.snapshot_job = 0  # the syncer's number for the latest snapshot job
         self.num_commits = 0
         self.num_snapshots = 0
-        self.snapshot_bytes = 0  # size of the latest snapshot
 
     # --- writing --------------------------------------------------------------------------------
 
-    def journal(self, op: str, args: dict[str, Any], frames: Sequence[Any]) -> int:
-        """Append one record (written at the next `commit`); returns its log position."""
+    def journal(self, op: str, args: dict[str, Any], frames: Sequence[Any],
+                key: tuple[str, int] | None = None) -> int:  # fmt: skip
+        """Append one record (written at the next `commit`); returns its log position. `key`:
+        the (actor_id, seq) of the group a `store` record holds (a snapshot may reference it)."""
         parts = pack_record(op, args, frames)
-        size = HEADER.size + HEADER.unpack(parts[0])[0]
+        size = record_size(parts)
+        if key is not None:
+            self.stored_at[key] = (self.log_bytes, size)
         self.pending.extend(parts)
         self.lsn += size
         self.log_bytes += size
@@ -249,10 +260,16 @@ class WriteAheadLog:
         return self.syncer.synced
 
     def sync(self) -> None:
-        """Commit and wait until everything logged so far is durable."""
+        """Commit and wait until everything logged so far is durable and the snapshots taken
+        so far are in place."""
         self.commit()
         if self.syncer is not None:
-            self.syncer.wait(self.lsn)
+            self.syncer.wait()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Size of the latest snapshot file (0 while it is being written)."""
+        return self.last_snapshot.num_bytes if self.last_snapshot is not None else 0
 
     def due_for_snapshot(self) -> bool:
         """The log outgrew `snapshot_log_bytes` and the last snapshot (so snapshot work stays
@@ -260,46 +277,47 @@ class WriteAheadLog:
         return self.log_bytes >= max(self.snapshot_log_bytes, self.snapshot_bytes)
 
     def snapshot(self, state: HubState) -> None:
-        """Write the whole state as a new snapshot and start an empty log segment after it."""
-        self.sync()  # no fsync of the old segment may be in flight when it goes
-        meta, groups = state.export()
-        tmp = self.dir / "snapshot.tmp"
-        with tmp.open("wb") as f:
-            head = {"log_id": self.log_id + 1, "groups": len(groups), "meta": meta}
-            _write_all(f, pack_record("snapshot", head, ()))
-            for group in groups:
-                _write_all(f, pack_record("group", {}, encode(group)))
-            f.flush()
-            os.fsync(f.fileno())
-            self.snapshot_bytes = f.tell()
-        os.replace(tmp, self.dir / "snapshot.bin")
-        _fsync_dir(self.dir)
-        old = self._segment(self.log_id)
-        self.open_segment(self.log_id + 1)
-        old.unlink(missing_ok=True)
+        """Close the current segment with a snapshot of `state` and append to a new one from
+        now on. Only the export happens here; the syncer writes the rest of the old segment,
+        then the snapshot file, before anything of the new segment counts as synced. One
+        snapshot at a time: this waits for the previous one (the syncer is then a whole
+        segment behind), which bounds the disk and the syncer's queue."""
+        if self.syncer is not None:
+            self.syncer.wait(self.snapshot_job)
+        self.commit()
+        job = prepare(self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync)
+        self.stored_at = {}
+        self.fd = -1  # the job closes it, once its records are on disk
+        self.open_segment(self.log_id + 1, fresh=True)
+        self.last_snapshot = job
         self.num_snapshots += 1
+        if self.syncer is not None:
+            self.snapshot_job = self.syncer.snapshot(job)
+        else:
+            for path in job.run():
+                path.unlink(missing_ok=True)
 
-    def open_segment(self, log_id: int) -> None:
-        """Append to `wal-<log_id>.log` from now on (created if absent)."""
+    def open_segment(self, log_id: int, fresh: bool = False) -> None:
+        """Append to `wal-<log_id>.log` from now on: a `fresh` one is created empty (its
+        directory entry becomes durable with the snapshot that names it), else it is kept."""
         if self.fd >= 0:
             os.close(self.fd)
         self.log_id = log_id
-        path = self._segment(log_id)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+        self.fd = os.open(segment_path(self.dir, log_id), flags, 0o644)
         self.log_bytes = os.fstat(self.fd).st_size
-        _fsync_dir(self.dir)
+        if not fresh:
+            fsync_dir(self.dir)
 
     def close(self) -> None:
         if self.fd >= 0:
             self.sync()
+        if self.syncer is not None:
+            self.syncer.close()  # after the jobs still queued (a snapshot) are done
+        if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self.syncer is not None:
-            self.syncer.close()
         self._lock.close()
-
-    def _segment(self, log_id: int) -> Path:
-        return self.dir / f"wal-{log_id}.log"
 
     # --- recovery -------------------------------------------------------------------------------
 
@@ -307,68 +325,42 @@ class WriteAheadLog:
         """Load the snapshot and replay the log into a fresh `state`; leaves the log open for
         appending after its last sound record."""
         found = Recovery()
-        log_id = 0
+        log_id, keep_from = 0, 0
         snapshot = self.dir / "snapshot.bin"
         if snapshot.exists():
-            log_id, found.snapshot_groups = _load_snapshot(snapshot, state)
-        path = self._segment(log_id)
+            loaded = load_snapshot(snapshot, state)
+            log_id, keep_from, found.snapshot_groups = (loaded.log_id, loaded.keep_from,
+                                                        loaded.num_groups)  # fmt: skip
+        (self.dir / "snapshot.tmp").unlink(missing_ok=True)
+        for stale in segment_ids(self.dir):
+            if stale > log_id or stale < keep_from:  # a snapshot that never got in / garbage
+                log.info("replay state: deleting %s (not part of the snapshot's log)",
+                         segment_path(self.dir, stale))  # fmt: skip
+                segment_path(self.dir, stale).unlink()
+        path = segment_path(self.dir, log_id)
         if path.exists():
-            with path.open("rb") as f:
-                end = 0
-                try:
-                    for after, op, args, frames in read_records(f):
-                        state.apply(op, args, frames)
-                        found.ops += 1
-                        end = after
-                except TornRecord as exc:
-                    found.reason = str(exc)
-                    found.skipped_bytes = path.stat().st_size - exc.offset
-                    log.warning("replay state: log %s ends in a bad record (%s); %d bytes "
-                                "after the last sound record are skipped", path, exc,
-                                found.skipped_bytes)  # fmt: skip
-                    end = exc.offset
-            os.truncate(path, end)
+            self._replay(path, state, found)
         self.open_segment(log_id)
         return found
 
-
-def _load_snapshot(path: Path, state: HubState) -> tuple[int, int]:
-    """Restore `state` from a snapshot file: (the log id that follows it, groups restored)."""
-    with path.open("rb") as f:
-        try:
-            records = read_records(f)
-            _, op, head, _ = next(records)
-            assert op == "snapshot", op
-            groups = []
-            for _ in range(head["groups"]):
-                _, _, _, frames = next(records)
-                group = decode(frames, 1 << 62, check_values=False)
-                assert isinstance(group, Group)
-                groups.append(group)
-        except (TornRecord, StopIteration) as exc:
-            raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
-    state.restore(head["meta"], groups)
-    return head["log_id"], len(groups)
-
-
-def write_buffers(fd: int, buffers: list[Any]) -> None:
-    """Write `buffers` in order, one writev per IOV_MAX of them (no copies in user space)."""
-    for i in range(0, len(buffers), IOV_MAX):
-        chunk = buffers[i : i + IOV_MAX]
-        written = os.writev(fd, chunk)
-        total = sum(memoryview(p).nbytes for p in chunk)
-        if written < total:  # a short write (a signal, a full disk): write the rest plainly
-            os.write(fd, b"".join(bytes(memoryview(p)) for p in chunk)[written:])
-
-
-def _write_all(f: BinaryIO, parts: list[Any]) -> None:
-    for part in parts:
-        f.write(part)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _replay(self, path: Path, state: HubState, found: Recovery) -> None:
+        """Apply each sound record of the segment at `path`; cut it after the last."""
+        with path.open("rb") as f:
+            end = 0
+            try:
+                for after, op, args, frames in read_records(f):
+                    state.apply(op, args, frames)
+                    if op == "store":  # the next snapshot may reference it
+                        group = decode(frames, 1 << 62, check_values=False)
+                        assert isinstance(group, Group)
+                        self.stored_at[group.actor_id, group.seq] = (end, after - end)
+                    found.ops += 1
+                    end = after
+            except TornRecord as exc:
+                found.reason = str(exc)
+                found.skipped_bytes = path.stat().st_size - exc.offset
+                log.warning("replay state: log %s ends in a bad record (%s); %d bytes "
+                            "after the last sound record are skipped", path, exc,
+                            found.skipped_bytes)  # fmt: skip
+                end = exc.offset
+        os.truncate(path, end)

@@ -32,8 +32,9 @@ from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import PromptSource
 
 DEDUP_GAPS = 65536  # seqs above an unfilled gap remembered per actor id before giving up on it
-Journal = Callable[[str, dict[str, Any], Sequence[Any]], int]
-"""journal(op, args, frames) -> the record's log position (lsn), for replay/durability.py."""
+Journal = Callable[[str, dict[str, Any], Sequence[Any], "tuple[str, int] | None"], int]
+"""journal(op, args, frames, key) -> the record's log position (lsn), for replay/durability.py;
+`key` is the (actor_id, seq) of the group a `store` record holds, else None."""
 
 
 @dataclass
@@ -100,9 +101,10 @@ class HubState:
     def policy_version(self) -> int:
         return self.buffer.policy_version
 
-    def _record(self, op: str, args: dict[str, Any], frames: Sequence[Any] = ()) -> None:
+    def _record(self, op: str, args: dict[str, Any], frames: Sequence[Any] = (),
+                key: tuple[str, int] | None = None) -> None:  # fmt: skip
         if self.journal is not None:
-            self.last_lsn = self.journal(op, args, frames)
+            self.last_lsn = self.journal(op, args, frames, key)
 
     # --- ops ------------------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class HubState:
             raise ProtocolError(
                 "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
             )
-        self._record("store", {"holder": holder}, frames)
+        self._record("store", {"holder": holder}, frames, (group.actor_id, group.seq))
         result = self.buffer.insert(group, self.last_lsn)
         assert result is not InsertResult.FULL and result is not InsertResult.DUPLICATE, result
         if held:

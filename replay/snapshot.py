@@ -1,0 +1,164 @@
+"""The hub's snapshot file (`snapshot.bin`): writing one off the hub's loop, and loading one.
+
+A snapshot is taken when the log switches from segment K to segment K+1. It holds a head record
+(`snapshot`: the state's meta, `log_id` = K+1, the log replayed after it, `ref_log` = K, and
+one entry per exported group) and then an inline `group` record for each group that has no
+reference:
+
+    head refs:  [ [offset, size] | None , ... ]   one per group, in `HubState.export` order
+      [offset, size]: the group is the `store` record at `offset` of wal-K.log (`size` bytes);
+                      it was stored while K was the current segment, so it is already on disk
+      None:           the group follows inline (stored before K, or restored at recovery)
+
+Only wal-K (if referenced), wal-K+1 and the snapshot are needed after the rename: the segments
+before K are deleted. The head is encoded on the loop at the switch (later changes cannot leak
+in; the exported groups are immutable); `SnapshotJob.run` writes the file, on the syncer thread
+in the hub.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from asyncrl.protocol import Group, decode, encode
+from replay.state import HubState
+from replay.wal_records import TornRecord, fsync_dir, pack_record, read_record, read_records
+
+SEGMENT = re.compile(r"wal-(\d+)\.log")
+
+
+def segment_path(directory: Path, log_id: int) -> Path:
+    return directory / f"wal-{log_id}.log"
+
+
+def segment_ids(directory: Path) -> list[int]:
+    """The ids of the log segments in `directory`, ascending."""
+    return sorted(int(m[1]) for p in directory.iterdir() if (m := SEGMENT.fullmatch(p.name)))
+
+
+@dataclass
+class SnapshotJob:
+    """One snapshot, prepared on the loop at a segment switch; `run` writes it to disk."""
+
+    directory: Path
+    head: list[Any]  # the packed head record: meta and references, encoded at the switch
+    inline: list[Group]  # groups copied into the file (no reference to them)
+    old_fd: int  # the segment being closed: written (and fsynced) before `run`, closed by it
+    keep_from: int  # the oldest segment the new snapshot needs
+    fsync: bool
+    num_bytes: int = 0  # the file's size, once written
+
+    def run(self) -> list[Path]:
+        """Write snapshot.tmp, fsync it, rename it to snapshot.bin, fsync the directory (which
+        also makes the new segment's file durable), close the old segment. Returns the
+        segments no longer needed: the caller deletes them."""
+        tmp = self.directory / "snapshot.tmp"
+        with tmp.open("wb") as f:
+            _write_all(f, self.head)
+            for group in self.inline:
+                _write_all(f, pack_record("group", {}, encode(group)))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+            self.num_bytes = f.tell()
+        os.replace(tmp, self.directory / "snapshot.bin")
+        if self.fsync:
+            fsync_dir(self.directory)
+        if self.old_fd >= 0:
+            os.close(self.old_fd)
+        return [segment_path(self.directory, i) for i in segment_ids(self.directory)
+                if i < self.keep_from]  # fmt: skip
+
+
+def prepare(directory: Path, state: HubState, log_id: int, stored_at: dict[Any, tuple[int, int]],
+            old_fd: int, fsync: bool) -> SnapshotJob:  # fmt: skip
+    """The snapshot of `state` as segment `log_id` closes: a reference for each group whose
+    store record `stored_at` locates (in that segment), the others inline."""
+    meta, groups = state.export()
+    refs: list[Any] = []
+    inline: list[Group] = []
+    for g in groups:
+        at = stored_at.get((g.actor_id, g.seq))
+        refs.append(at)
+        if at is None:
+            inline.append(g)
+    head = {"log_id": log_id + 1, "ref_log": log_id, "groups": len(groups), "refs": refs,
+            "meta": meta}  # fmt: skip
+    keep_from = log_id if len(inline) < len(groups) else log_id + 1
+    return SnapshotJob(directory, pack_record("snapshot", head, ()), inline, old_fd, keep_from,
+                       fsync)  # fmt: skip
+
+
+@dataclass
+class Loaded:
+    """What `load_snapshot` restored: the log to replay after it, the oldest segment it needs."""
+
+    log_id: int
+    keep_from: int
+    num_groups: int
+    num_referenced: int
+
+
+def load_snapshot(path: Path, state: HubState) -> Loaded:
+    """Restore `state` from a snapshot file, reading referenced groups from their segment."""
+    with path.open("rb") as f:
+        try:
+            records = read_records(f)
+            _, op, head, _ = next(records)
+            assert op == "snapshot", op
+            refs = head.get("refs") or [None] * head["groups"]
+            segment = segment_path(path.parent, head.get("ref_log", -1))
+            seg = segment.open("rb") if any(r is not None for r in refs) else None
+            try:
+                frames = [next(records)[3] if r is None else _referenced(path, segment, seg, *r)
+                          for r in refs]  # fmt: skip
+            finally:
+                if seg is not None:
+                    seg.close()
+        except (TornRecord, StopIteration) as exc:
+            raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
+        except FileNotFoundError as exc:
+            raise ValueError(f"replay state: snapshot {path} references {exc.filename}, which "
+                             "is missing") from exc  # fmt: skip
+    groups = [_group(fs) for fs in frames]
+    state.restore(head["meta"], groups)
+    referenced = len(refs) - refs.count(None)
+    keep_from = head["ref_log"] if referenced else head["log_id"]
+    return Loaded(head["log_id"], keep_from, len(groups), referenced)
+
+
+def _referenced(
+    path: Path, segment: Path, f: BinaryIO | None, offset: int, size: int
+) -> list[bytes]:
+    """The frames of the store record at `offset` of `segment`; a ValueError naming both files
+    and the offset when it is not there whole."""
+    assert f is not None
+    try:
+        record = read_record(f, offset)
+        why = "end of file" if record is None else ""
+    except TornRecord as exc:
+        record, why = None, exc.why
+    if record is not None and record[0] - offset != size:
+        why = f"a record of {record[0] - offset} bytes, not {size}"
+    elif record is not None and record[1] != "store":
+        why = f"a {record[1]!r} record, not a store"
+    if why:
+        raise ValueError(f"replay state: snapshot {path} references a damaged record at byte "
+                         f"{offset} of {segment} ({why})")  # fmt: skip
+    assert record is not None
+    return record[3]
+
+
+def _group(frames: list[bytes]) -> Group:
+    group = decode(frames, 1 << 62, check_values=False)
+    assert isinstance(group, Group)
+    return group
+
+
+def _write_all(f: BinaryIO, parts: list[Any]) -> None:
+    for part in parts:
+        f.write(part)
