@@ -4,6 +4,7 @@ one; a torn or corrupt tail is detected, never loaded, and cut; snapshots bound 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from asyncrl.config import load_config
 from asyncrl.protocol import Group, Trajectory, encode
 from replay.durability import HEADER, WriteAheadLog, pack_record, read_records
 from replay.prompts import Prompt, PromptSource
+from replay.snapshot import SnapshotJob
 from replay.state import HubState, SeqWindow
 
 CFG = load_config(None, ["learner.groups_per_step=2", "replay.max_staleness=1"])
@@ -296,3 +298,112 @@ def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path
     assert [h["refs"].count(None) for h in heads] == [0] + [1] * (len(heads) - 1)
     again, found = recover(tmp_path)
     assert exported(again) == exported(live) and not found.reason
+
+
+def copy_state(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.name != "LOCK":
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_crash_between_snapshot_steps_recovers_what_was_acknowledged(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    live, wal = open_wal(run, background=False)
+    for seq in range(3):
+        push_big(live, seq)
+    wal.snapshot(live)  # snapshot 1 references wal-0
+    for seq in range(3, 6):
+        push_big(live, seq)
+    assert len(live.hand_out(1, 2, float("inf"))) == 2
+    wal.commit()  # everything so far acknowledged
+    acknowledged, acked_dir = exported(live), copy_state(run, tmp_path / "acked")
+    wal.snapshot(live)  # snapshot 2 references wal-1; wal-0 goes
+    push_big(live, 6)
+    wal.close()
+    assert names(run) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log"]
+
+    # killed before the rename: the old snapshot, the segment it replays, the new segment
+    # (nothing of it acknowledged) and a partly written snapshot.tmp
+    crash = copy_state(acked_dir, tmp_path / "before_rename")
+    shutil.copy(run / "wal-2.log", crash / "wal-2.log")
+    (crash / "snapshot.tmp").write_bytes((run / "snapshot.bin").read_bytes()[:100])
+    state, found = recover(crash)
+    assert exported(state) == acknowledged and not found.reason
+    assert names(crash) == ["LOCK", "snapshot.bin", "wal-0.log", "wal-1.log"]
+    # the hub goes on there: it appends to wal-1, and its next snapshot starts wal-2 empty
+    state, wal = fresh(incarnation=2), WriteAheadLog(crash, fsync=True, snapshot_log_bytes=1 << 30)
+    wal.recover(state)
+    state.journal = wal.journal
+    (crash / "wal-2.log").write_bytes(b"stale records of a segment a crash left behind")
+    wal.snapshot(state)
+    push_big(state, 7)
+    wal.close()
+    again, found = recover(crash)
+    assert exported(again) == exported(state) and not found.reason and found.ops == 2
+
+    # killed after the rename, before the segment before the referenced one was deleted
+    crash = copy_state(run, tmp_path / "after_rename")
+    shutil.copy(acked_dir / "wal-0.log", crash / "wal-0.log")
+    state, found = recover(crash)
+    assert exported(state) == exported(live) and not found.reason
+    assert names(crash) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log"]
+
+
+def test_nothing_of_the_new_segment_is_synced_before_the_snapshot_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live, wal = open_wal(tmp_path, background=True)
+    assert wal.syncer is not None
+    seen: list[Any] = []
+    real_run = SnapshotJob.run
+
+    def run(job: SnapshotJob) -> list[Path]:
+        assert wal.syncer is not None
+        seen.append((wal.syncer.synced, (tmp_path / "wal-1.log").stat().st_size))
+        return real_run(job)
+
+    monkeypatch.setattr(SnapshotJob, "run", run)
+    push_big(live, 0)
+    assert len(live.hand_out(1, 1, float("inf"))) == 1
+    switch = wal.lsn
+    with wal.syncer.cond:  # the syncer takes every job below in one go, once this lets go
+        wal.snapshot(live)
+        for seq in range(1, 4):
+            push_big(live, seq)
+            wal.commit()
+        assert wal.durable_lsn < switch
+    wal.sync()
+    assert seen == [(switch, 0)]  # the old segment synced, nothing of the new one written
+    assert wal.durable_lsn == wal.lsn > switch
+    wal.close()
+    again, _ = recover(tmp_path)
+    assert exported(again) == exported(live)
+
+
+def test_a_damaged_referenced_record_is_a_damaged_snapshot(tmp_path: Path) -> None:
+    live, wal = open_wal(tmp_path, background=False)
+    for seq in range(3):
+        push_big(live, seq)
+    wal.snapshot(live)
+    wal.close()
+    offset, size = snapshot_head(tmp_path)["refs"][1]
+    segment = tmp_path / "wal-0.log"
+    with segment.open("r+b") as f:  # flip one byte inside the second group's record
+        f.seek(offset + size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    wal = WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=1 << 30)
+    with pytest.raises(ValueError, match=rf"damaged record at byte {offset} of \S*wal-0.log "
+                                         r"\(checksum mismatch\)"):  # fmt: skip
+        wal.recover(fresh(incarnation=2))
+    segment.unlink()
+    with pytest.raises(ValueError, match=r"wal-0.log, which is missing"):
+        wal.recover(fresh(incarnation=2))
+    wal.close()
