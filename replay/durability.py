@@ -51,9 +51,19 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.protocol import Group, decode
-from replay.snapshot import SnapshotJob, load_snapshot, prepare, segment_ids, segment_path
+from replay.snapshot import (
+    SnapshotJob,
+    load_snapshot,
+    prepare,
+    retire,
+    segment_ids,
+    segment_path,
+    take_spare,
+)  # fmt: skip
 from replay.state import HubState
 from replay.wal_records import (
+    END,
+    END_MARKER,
     HEADER,
     TornRecord,
     fsync_dir,
@@ -65,7 +75,7 @@ from replay.wal_records import (
 
 __all__ = ["HEADER", "Recovery", "Syncer", "WriteAheadLog", "pack_record", "read_records"]
 log = logging.getLogger("asyncrl.replay")
-Write = tuple[int, int, list[Any]]  # a write job: fd, the log position it ends at, buffers
+Write = tuple[int, int, list[Any], int]  # a write job: fd, log position after it, buffers, offset
 
 
 @dataclass
@@ -98,8 +108,9 @@ class Syncer:
         self.thread = threading.Thread(target=self._run, name="asyncrl-wal-fsync", daemon=True)
         self.thread.start()
 
-    def request(self, fd: int, lsn: int, buffers: list[Any]) -> None:
-        self._queue((fd, lsn, buffers))
+    def request(self, fd: int, lsn: int, buffers: list[Any], offset: int) -> None:
+        """Write `buffers` at `offset` of `fd`; `lsn` is the log position after them."""
+        self._queue((fd, lsn, buffers, offset))
 
     def snapshot(self, job: SnapshotJob) -> int:
         """Queue a snapshot job; returns its number for `wait`."""
@@ -126,8 +137,7 @@ class Syncer:
                     return  # stopping, nothing left to do
                 jobs, self.jobs = self.jobs, []
             try:
-                for path in self._do(jobs):
-                    path.unlink(missing_ok=True)
+                retire(self._do(jobs))
                 with self.cond:
                     self.num_done += len(jobs)
                     self.cond.notify_all()
@@ -141,28 +151,32 @@ class Syncer:
 
     def _do(self, jobs: list[Write | SnapshotJob]) -> list[Path]:
         """Run `jobs` in order; returns the segments the snapshots among them made needless
-        (deleted once the writes after them are synced: nothing waits for that)."""
+        (retired once the writes after them are synced: nothing waits for that)."""
         garbage: list[Path] = []
-        fd, lsn, buffers = -1, 0, []
+        fd, lsn, buffers, offset = -1, 0, [], 0
         for job in jobs:
             if isinstance(job, SnapshotJob):  # the closing segment is on disk before it
-                self._flush(fd, lsn, buffers)
+                self._flush(fd, lsn, buffers, offset)
                 buffers = []
                 garbage += job.run()
                 continue
             if job[0] != fd and buffers:
-                self._flush(fd, lsn, buffers)
+                self._flush(fd, lsn, buffers, offset)
                 buffers = []
+            if buffers and buffers[-1] is END:  # the next job's records go where it was
+                buffers.pop()
+            if not buffers:
+                offset = job[3]
             fd, lsn = job[0], job[1]
             buffers.extend(job[2])
-        self._flush(fd, lsn, buffers)
+        self._flush(fd, lsn, buffers, offset)
         return garbage
 
-    def _flush(self, fd: int, lsn: int, buffers: list[Any]) -> None:
+    def _flush(self, fd: int, lsn: int, buffers: list[Any], offset: int) -> None:
         if not buffers:
             return
-        write_buffers(fd, buffers)
-        os.fsync(fd)
+        write_buffers(fd, buffers, offset)
+        os.fdatasync(fd)
         with self.cond:
             self.synced = lsn
             self.cond.notify_all()
@@ -208,6 +222,8 @@ class WriteAheadLog:
         self.log_id = 0
         self.fd = -1
         self.pending: list[Any] = []
+        self.pending_bytes = 0
+        self.recycled = False  # the current segment is a recycled file: commits end with END
         self.lsn = 0  # bytes appended by this process (log position of the latest record)
         self.written_lsn = 0  # handed to the kernel (with a syncer: to the syncer)
         self.syncer = Syncer() if fsync and background else None
@@ -225,11 +241,12 @@ class WriteAheadLog:
                 key: tuple[str, int] | None = None) -> int:  # fmt: skip
         """Append one record (written at the next `commit`); returns its log position. `key`:
         the (actor_id, seq) of the group a `store` record holds (a snapshot may reference it)."""
-        parts = pack_record(op, args, frames)
+        parts = pack_record(op, args, frames, seed=self.log_id)
         size = record_size(parts)
         if key is not None:
             self.stored_at[key] = (self.log_bytes, size)
         self.pending.extend(parts)
+        self.pending_bytes += size
         self.lsn += size
         self.log_bytes += size
         return self.lsn
@@ -240,12 +257,15 @@ class WriteAheadLog:
         if not self.pending:
             return self.durable_lsn
         pending, self.pending = self.pending, []
+        offset, self.pending_bytes = self.log_bytes - self.pending_bytes, 0
+        if self.recycled:  # overwritten by the next commit
+            pending.append(END)
         if self.syncer is not None:  # written and fsynced on the syncer thread
-            self.syncer.request(self.fd, self.lsn, pending)
+            self.syncer.request(self.fd, self.lsn, pending, offset)
         else:
-            write_buffers(self.fd, pending)
+            write_buffers(self.fd, pending, offset)
             if self.fsync:
-                os.fsync(self.fd)
+                os.fdatasync(self.fd)
         self.written_lsn = self.lsn
         self.num_commits += 1
         return self.durable_lsn
@@ -288,26 +308,34 @@ class WriteAheadLog:
         job = prepare(self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync)
         self.stored_at = {}
         self.fd = -1  # the job closes it, once its records are on disk
-        self.open_segment(self.log_id + 1, fresh=True)
+        self.open_segment(self.log_id + 1)
         self.last_snapshot = job
         self.num_snapshots += 1
         if self.syncer is not None:
             self.snapshot_job = self.syncer.snapshot(job)
         else:
-            for path in job.run():
-                path.unlink(missing_ok=True)
+            retire(job.run())
 
-    def open_segment(self, log_id: int, fresh: bool = False) -> None:
-        """Append to `wal-<log_id>.log` from now on: a `fresh` one is created empty (its
-        directory entry becomes durable with the snapshot that names it), else it is kept."""
+    def open_segment(self, log_id: int, at: int | None = None) -> None:
+        """Write `wal-<log_id>.log` from now on: from byte `at` of the file (recovery), or, with
+        `at` None, a new segment: the spare renamed (its first record, `segment`, says so: the
+        records after the last new one are its earlier life's) or a new file. Its directory
+        entry becomes durable with the snapshot that names it."""
         if self.fd >= 0:
             os.close(self.fd)
         self.log_id = log_id
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
-        self.fd = os.open(segment_path(self.dir, log_id), flags, 0o644)
-        self.log_bytes = os.fstat(self.fd).st_size
-        if not fresh:
+        path = segment_path(self.dir, log_id)
+        if at is not None:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.log_bytes = at
             fsync_dir(self.dir)
+            return
+        recycled = take_spare(path)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if recycled < 0 else 0),
+                          0o644)  # fmt: skip
+        self.log_bytes, self.recycled = 0, recycled >= 0
+        if self.recycled:
+            self.journal("segment", {"recycled_from": recycled}, ())
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -338,29 +366,41 @@ class WriteAheadLog:
                          segment_path(self.dir, stale))  # fmt: skip
                 segment_path(self.dir, stale).unlink()
         path = segment_path(self.dir, log_id)
-        if path.exists():
-            self._replay(path, state, found)
-        self.open_segment(log_id)
+        self.log_id = log_id  # the seed of its records
+        end = self._replay(path, state, found) if path.exists() else 0
+        self.open_segment(log_id, at=end)
         return found
 
-    def _replay(self, path: Path, state: HubState, found: Recovery) -> None:
-        """Apply each sound record of the segment at `path`; cut it after the last."""
+    def _replay(self, path: Path, state: HubState, found: Recovery) -> int:
+        """Apply each sound record of the segment at `path`; returns the offset after the
+        last. A bad record there is cut off, unless it is the end marker of a recycled segment
+        (its earlier content follows: overwritten as the log goes on)."""
+        end = 0
         with path.open("rb") as f:
-            end = 0
             try:
-                for after, op, args, frames in read_records(f):
-                    state.apply(op, args, frames)
-                    if op == "store":  # the next snapshot may reference it
-                        group = decode(frames, 1 << 62, check_values=False)
-                        assert isinstance(group, Group)
-                        self.stored_at[group.actor_id, group.seq] = (end, after - end)
-                    found.ops += 1
+                for after, op, args, frames in read_records(f, seed=self.log_id):
+                    if op == "segment":
+                        self.recycled = True
+                    else:
+                        self._apply(state, op, args, frames, end, after)
+                        found.ops += 1
                     end = after
             except TornRecord as exc:
+                end = exc.offset
+                if self.recycled and exc.why == END_MARKER:
+                    return end
                 found.reason = str(exc)
                 found.skipped_bytes = path.stat().st_size - exc.offset
                 log.warning("replay state: log %s ends in a bad record (%s); %d bytes "
                             "after the last sound record are skipped", path, exc,
                             found.skipped_bytes)  # fmt: skip
-                end = exc.offset
         os.truncate(path, end)
+        return end
+
+    def _apply(self, state: HubState, op: str, args: dict[str, Any], frames: list[bytes],
+               start: int, end: int) -> None:  # fmt: skip
+        state.apply(op, args, frames)
+        if op == "store":  # the next snapshot may reference it
+            group = decode(frames, 1 << 62, check_values=False)
+            assert isinstance(group, Group)
+            self.stored_at[group.actor_id, group.seq] = (start, end - start)

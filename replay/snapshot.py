@@ -10,8 +10,10 @@ reference:
                       it was stored while K was the current segment, so it is already on disk
       None:           the group follows inline (stored before K, or restored at recovery)
 
-Only wal-K (if referenced), wal-K+1 and the snapshot are needed after the rename: the segments
-before K are deleted. The head is encoded on the loop at the switch (later changes cannot leak
+Only wal-K (if referenced), wal-K+1 and the snapshot are needed after the rename: of the segments
+before K the newest is kept as the spare (`wal-spare-<id>.log`) the next segment is recycled
+from (its pages stay in the page cache and its blocks allocated, so writing the log does not
+allocate either), the others are deleted. The head is encoded on the loop at the switch (later changes cannot leak
 in; the exported groups are immutable); `SnapshotJob.run` writes the file, on the syncer thread
 in the hub.
 """
@@ -29,6 +31,7 @@ from replay.state import HubState
 from replay.wal_records import TornRecord, fsync_dir, pack_record, read_record, read_records
 
 SEGMENT = re.compile(r"wal-(\d+)\.log")
+SPARE = re.compile(r"wal-spare-(\d+)\.log")
 
 
 def segment_path(directory: Path, log_id: int) -> Path:
@@ -38,6 +41,29 @@ def segment_path(directory: Path, log_id: int) -> Path:
 def segment_ids(directory: Path) -> list[int]:
     """The ids of the log segments in `directory`, ascending."""
     return sorted(int(m[1]) for p in directory.iterdir() if (m := SEGMENT.fullmatch(p.name)))
+
+
+def retire(segments: list[Path]) -> None:
+    """Segments no longer needed: the newest becomes the spare (any older spare goes), the
+    others are deleted."""
+    if not segments:
+        return
+    directory = segments[0].parent
+    for old in directory.glob("wal-spare-*.log"):
+        old.unlink()
+    *rest, newest = sorted(segments, key=lambda p: int(p.name[4:-4]))
+    for path in rest:
+        path.unlink(missing_ok=True)
+    os.rename(newest, directory / f"wal-spare-{newest.name[4:-4]}.log")
+
+
+def take_spare(path: Path) -> int:
+    """Rename the spare segment (if any) to `path`; returns the id it had (-1: no spare)."""
+    for spare in path.parent.glob("wal-spare-*.log"):
+        if m := SPARE.fullmatch(spare.name):
+            os.rename(spare, path)
+            return int(m[1])
+    return -1
 
 
 @dataclass
@@ -55,7 +81,7 @@ class SnapshotJob:
     def run(self) -> list[Path]:
         """Write snapshot.tmp, fsync it, rename it to snapshot.bin, fsync the directory (which
         also makes the new segment's file durable), close the old segment. Returns the
-        segments no longer needed: the caller deletes them."""
+        segments no longer needed: the caller retires them."""
         tmp = self.directory / "snapshot.tmp"
         with tmp.open("wb") as f:
             _write_all(f, self.head)
@@ -111,11 +137,12 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
             _, op, head, _ = next(records)
             assert op == "snapshot", op
             refs = head.get("refs") or [None] * head["groups"]
-            segment = segment_path(path.parent, head.get("ref_log", -1))
+            ref_log = head.get("ref_log", -1)
+            segment = segment_path(path.parent, ref_log)
             seg = segment.open("rb") if any(r is not None for r in refs) else None
             try:
-                frames = [next(records)[3] if r is None else _referenced(path, segment, seg, *r)
-                          for r in refs]  # fmt: skip
+                frames = [next(records)[3] if r is None else
+                          _referenced(path, segment, seg, ref_log, *r) for r in refs]  # fmt: skip
             finally:
                 if seg is not None:
                     seg.close()
@@ -131,14 +158,13 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
     return Loaded(head["log_id"], keep_from, len(groups), referenced)
 
 
-def _referenced(
-    path: Path, segment: Path, f: BinaryIO | None, offset: int, size: int
-) -> list[bytes]:
+def _referenced(path: Path, segment: Path, f: BinaryIO | None, log_id: int, offset: int,
+                size: int) -> list[bytes]:  # fmt: skip
     """The frames of the store record at `offset` of `segment`; a ValueError naming both files
     and the offset when it is not there whole."""
     assert f is not None
     try:
-        record = read_record(f, offset)
+        record = read_record(f, offset, seed=log_id)
         why = "end of file" if record is None else ""
     except TornRecord as exc:
         record, why = None, exc.why

@@ -2,9 +2,13 @@
 
 A record is `u32 body_len, u64 xxh3_64(body), body` (xxh3: a 64-bit checksum about 8x cheaper
 than zlib's crc32 on 256 KB groups); body = `u32 meta_len`, msgpack `[op, args, [frame
-lengths]]`, then the frames (a Group's received wire frames, not re-encoded). A reader trusts a
-record only when its length is possible, the file holds all of it and the checksum matches;
-anything else is a `TornRecord` at the record's offset.
+lengths]]`, then the frames (a Group's received wire frames, not re-encoded). The checksum is
+seeded with the id of the log segment the record belongs to (0 in a snapshot), so the records a
+recycled segment file still holds from its earlier life never pass for records of the new one.
+A reader trusts a record only when its length is possible, the file holds all of it and the
+checksum matches; anything else is a `TornRecord` at the record's offset. A header of zeros
+(`END`) is the end marker each commit writes after its records in a recycled segment, where the
+segment's earlier content follows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ HEADER = struct.Struct("<IQ")  # body length, xxh3_64 of the body
 META_LEN = struct.Struct("<I")
 MAX_RECORD_BYTES = 1 << 31  # a longer length field is corruption, not a record
 IOV_MAX = 512  # buffers per writev call
+END = bytes(HEADER.size)  # the end marker: no record has length 0
+END_MARKER = "end marker"
 
 Record = tuple[int, str, dict[str, Any], list[bytes]]
 """(offset after the record, op, args, frames)."""
@@ -35,12 +41,12 @@ class TornRecord(Exception):
         self.offset, self.why = offset, why
 
 
-def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any]) -> list[Any]:
+def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0) -> list[Any]:
     """The buffers of one record (header first), ready for writev; frames are not copied."""
     views = [memoryview(f).cast("B") for f in frames]
     meta = msgpack.packb([op, args, [v.nbytes for v in views]], use_bin_type=True)
     parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
-    digest = xxhash.xxh3_64()
+    digest = xxhash.xxh3_64(seed=seed)
     for part in parts:
         digest.update(part)
     body_len = sum(memoryview(p).nbytes for p in parts)
@@ -52,7 +58,7 @@ def record_size(parts: list[Any]) -> int:
     return HEADER.size + HEADER.unpack(parts[0])[0]
 
 
-def read_record(f: BinaryIO, offset: int) -> Record | None:
+def read_record(f: BinaryIO, offset: int, seed: int = 0) -> Record | None:
     """The sound record at `offset` of `f` (None at the end of the file); raises `TornRecord`
     when it is incomplete or fails its checksum."""
     f.seek(offset)
@@ -61,20 +67,22 @@ def read_record(f: BinaryIO, offset: int) -> Record | None:
         return None
     if len(head) < HEADER.size:
         raise TornRecord(offset, "torn record header")
+    if head == END:
+        raise TornRecord(offset, END_MARKER)
     body_len, checksum = HEADER.unpack(head)
     if not META_LEN.size <= body_len < MAX_RECORD_BYTES:
         raise TornRecord(offset, f"impossible record length {body_len}")
     body = f.read(body_len)
     if len(body) < body_len:
         raise TornRecord(offset, f"torn record ({len(body)} of {body_len} bytes)")
-    if xxhash.xxh3_64_intdigest(body) != checksum:
+    if xxhash.xxh3_64_intdigest(body, seed) != checksum:
         raise TornRecord(offset, "checksum mismatch")
     return offset + HEADER.size + body_len, *_parse_body(memoryview(body), offset)
 
 
-def read_records(f: BinaryIO, offset: int = 0) -> Iterator[Record]:
+def read_records(f: BinaryIO, offset: int = 0, seed: int = 0) -> Iterator[Record]:
     """Each sound record from `offset` on; raises `TornRecord` at the first that is not."""
-    while (record := read_record(f, offset)) is not None:
+    while (record := read_record(f, offset, seed)) is not None:
         yield record
         offset = record[0]
 
@@ -93,14 +101,20 @@ def _parse_body(body: memoryview, offset: int) -> tuple[str, dict[str, Any], lis
     return op, args, frames
 
 
-def write_buffers(fd: int, buffers: list[Any]) -> None:
-    """Write `buffers` in order, one writev per IOV_MAX of them (no copies in user space)."""
+def write_buffers(fd: int, buffers: list[Any], offset: int) -> int:
+    """Write `buffers` in order at `offset`, one pwritev per IOV_MAX of them (no copies in
+    user space); returns the offset after them."""
     for i in range(0, len(buffers), IOV_MAX):
         chunk = buffers[i : i + IOV_MAX]
-        written = os.writev(fd, chunk)
+        written = os.pwritev(fd, chunk, offset)
         total = sum(memoryview(p).nbytes for p in chunk)
         if written < total:  # a short write (a signal, a full disk): write the rest plainly
-            os.write(fd, b"".join(bytes(memoryview(p)) for p in chunk)[written:])
+            rest = b"".join(bytes(memoryview(p)) for p in chunk)[written:]
+            while rest:
+                n = os.pwrite(fd, rest, offset + written)
+                written, rest = written + n, rest[n:]
+        offset += total
+    return offset
 
 
 def fsync_dir(directory: Path) -> None:

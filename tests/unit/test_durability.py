@@ -17,6 +17,7 @@ from replay.durability import HEADER, WriteAheadLog, pack_record, read_records
 from replay.prompts import Prompt, PromptSource
 from replay.snapshot import SnapshotJob
 from replay.state import HubState, SeqWindow
+from replay.wal_records import END_MARKER, TornRecord
 
 CFG = load_config(None, ["learner.groups_per_step=2", "replay.max_staleness=1"])
 
@@ -97,9 +98,28 @@ def write_log(tmp_path: Path) -> tuple[HubState, Path]:
     return live, tmp_path / "wal-0.log"
 
 
-def offsets(path: Path) -> list[int]:
+def offsets(path: Path, log_id: int = 0) -> list[int]:
+    """Where each record of a segment starts, then where the last one ends."""
+    ends = [0]
     with path.open("rb") as f:
-        return [0] + [end for end, *_ in read_records(f)]
+        try:
+            for end, *_ in read_records(f, seed=log_id):
+                ends.append(end)
+        except TornRecord as exc:  # the end marker of a recycled segment
+            assert exc.why == END_MARKER
+    return ends
+
+
+def disk_bytes(directory: Path) -> list[int]:
+    """Sizes of the state files (the syncer thread may rename or delete one meanwhile)."""
+    sizes = []
+    for p in directory.iterdir():
+        try:
+            if p.name != "LOCK":
+                sizes.append(p.stat().st_size)
+        except FileNotFoundError:
+            pass
+    return sizes
 
 
 def recover(tmp_path: Path) -> tuple[HubState, Any]:
@@ -171,12 +191,11 @@ def test_snapshots_bound_the_log(tmp_path: Path, background: bool) -> None:
         assert durable <= wal.lsn
         if wal.due_for_snapshot():
             wal.snapshot(state)
-        largest = max(largest, sum(p.stat().st_size for p in tmp_path.glob("wal-*.log")))
+        largest = max(largest, sum(disk_bytes(tmp_path)))
     wal.close()
-    # two segments at most (the one the snapshot references, the current one), and while the
-    # syncer writes a snapshot the one before them
-    assert wal.num_snapshots >= 5 and largest < (75 if background else 50) * size
-    assert len(list(tmp_path.glob("wal-*.log"))) <= 2
+    # three segments at most: the one the snapshot references, the current one, the spare
+    assert wal.num_snapshots >= 5 and largest < 75 * size
+    assert len(list(tmp_path.glob("wal-*.log"))) <= 3
     again, found = recover(tmp_path)
     assert exported(again) == exported(state) and not found.reason
 
@@ -269,7 +288,7 @@ def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
     torn, found = recover(tmp_path)
     assert "torn" in found.reason and found.ops == 1 and found.snapshot_groups == 8
     assert not torn.is_resend("a", 8) and len(torn.buffer) == len(live.buffer) - 1
-    assert current.stat().st_size == offsets(current)[-1]  # cut after the last sound record
+    assert current.stat().st_size == offsets(current, 1)[-1]  # cut after the last sound record
 
 
 def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path: Path) -> None:
@@ -288,11 +307,11 @@ def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path
             wal.snapshot(live)
             wal.sync()  # let the syncer finish it, to look at the files
             heads.append(snapshot_head(tmp_path))
-        files = [p.stat().st_size for p in tmp_path.iterdir() if p.name != "LOCK"]
+        files = disk_bytes(tmp_path)
         largest = max(largest, sum(files))
-        assert len(files) <= 3  # the snapshot and two segments
+        assert len(files) <= 4  # the snapshot, two segments and the spare
     wal.close()
-    assert len(heads) >= 8 and largest < 2 * segment + 4 * 90_000 + 8192
+    assert len(heads) >= 8 and largest < 3 * segment + 4 * 90_000 + 8192
     assert all(len(h["refs"]) == h["groups"] for h in heads)
     # the lent group is referenced while its segment is the one closing, then copied inline
     assert [h["refs"].count(None) for h in heads] == [0] + [1] * (len(heads) - 1)
@@ -326,7 +345,7 @@ def test_a_crash_between_snapshot_steps_recovers_what_was_acknowledged(tmp_path:
     wal.snapshot(live)  # snapshot 2 references wal-1; wal-0 goes
     push_big(live, 6)
     wal.close()
-    assert names(run) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log"]
+    assert names(run) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log", "wal-spare-0.log"]
 
     # killed before the rename: the old snapshot, the segment it replays, the new segment
     # (nothing of it acknowledged) and a partly written snapshot.tmp
@@ -352,7 +371,7 @@ def test_a_crash_between_snapshot_steps_recovers_what_was_acknowledged(tmp_path:
     shutil.copy(acked_dir / "wal-0.log", crash / "wal-0.log")
     state, found = recover(crash)
     assert exported(state) == exported(live) and not found.reason
-    assert names(crash) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log"]
+    assert names(crash) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log", "wal-spare-0.log"]
 
 
 def test_nothing_of_the_new_segment_is_synced_before_the_snapshot_is_in_place(
@@ -407,3 +426,33 @@ def test_a_damaged_referenced_record_is_a_damaged_snapshot(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"wal-0.log, which is missing"):
         wal.recover(fresh(incarnation=2))
     wal.close()
+
+
+def test_a_recycled_segment_never_replays_its_earlier_records(tmp_path: Path) -> None:
+    live, wal = open_wal(tmp_path, background=False)
+    for seq in range(12):
+        push_big(live, seq)
+        assert len(live.hand_out(seq, 1, float("inf"))) == 1
+        live.trained(seq)
+        if seq % 4 == 3:
+            wal.snapshot(live)  # nothing to reference: the closed segment becomes the spare
+    push_big(live, 12)
+    wal.close()
+    log_id = wal.log_id
+    path = tmp_path / f"wal-{log_id}.log"
+    with path.open("rb") as f:
+        _, op, args, _ = next(read_records(f, seed=log_id))
+    assert op == "segment" and args["recycled_from"] == log_id - 2
+    ends, size = offsets(path, log_id), path.stat().st_size
+    assert size > ends[-1] + 200_000  # the earlier life's records follow the new ones
+    again, found = recover(tmp_path)
+    assert exported(again) == exported(live) and found.ops == 2 and not found.reason
+    assert path.stat().st_size == size  # kept for the log to overwrite
+    with path.open("r+b") as f:  # a bad byte in the last new record: cut as in any segment
+        f.seek(ends[-2] + HEADER.size + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    torn, found = recover(tmp_path)
+    assert "checksum" in found.reason and path.stat().st_size == ends[-2]
+    assert not torn.is_resend("a", 12)
