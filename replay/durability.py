@@ -3,36 +3,43 @@
 
     HubState op --journal--> WriteAheadLog.append  (kept in memory: a list of buffers)
     end of each loop turn --> commit(): the pending records go to the syncer thread as a write
-                              job; it writes them (writev, no copy but the kernel's) and
-                              fsyncs, one fsync for everything queued meanwhile (the loop goes
-                              on receiving), then wakes the loop through a pipe; the hub
+                              job; it writes them (pwritev, no copy but the kernel's) and
+                              fdatasyncs, one sync for everything queued meanwhile (the loop
+                              goes on receiving), then wakes the loop through a pipe; the hub
                               releases a turn's Acks and Batches once `durable_lsn` covers them
     segment > snapshot_log_bytes --> snapshot(): the loop exports the state (meta encoded, groups
-                              referenced or kept as immutable objects), appends to a new segment
+                              referenced or kept as immutable objects), writes to a new segment
                               from then on and queues a snapshot job between the two segments'
                               write jobs; the syncer runs the jobs in order:
 
-        writes to wal-K (fsync) -> snapshot.tmp, fsync, rename to snapshot.bin, fsync dir
-          -> writes to wal-K+1 (fsync) -> `synced` covers them -> delete wal-K-1
+        writes to wal-K (sync) -> snapshot.tmp, fsync, rename to snapshot.bin, fsync dir
+          -> writes to wal-K+1 (sync) -> `synced` covers them -> wal-K-1 becomes the spare
 
 On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot; see
-replay/snapshot.py), `wal-<N>.log` segments and `LOCK` (one hub per directory). The snapshot
-names the segment replayed after it (`log_id` = K+1) and the segment whose `store` records it
-references instead of copying (`ref_log` = K); groups older than K are copied into the snapshot.
-So the directory holds the snapshot, wal-K and wal-K+1: at most capacity groups copied inline
-plus two segments of about `snapshot_log_bytes` each (while a snapshot is written: also
-snapshot.tmp and wal-K-1). Record format: replay/wal_records.py. Record kinds: one per
-HubState op in the log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`,
-...), `snapshot` and `group` in the snapshot file.
+replay/snapshot.py), `wal-<N>.log` segments, at most one `wal-spare-<N>.log` and `LOCK` (one hub
+per directory). The snapshot names the segment replayed after it (`log_id` = K+1) and the
+segment whose `store` records it references instead of copying (`ref_log` = K); groups stored
+before K that are still buffered or lent are copied into the snapshot. A new segment is the
+spare renamed and overwritten in place (its pages stay cached and its blocks allocated, so the
+log's writes allocate neither; its first record, `segment`, says it was recycled and each commit
+in it ends with an end marker, a header of zeros, before the file's earlier content) or, when
+there is none, a new file. Bound on disk use: the snapshot (meta, one reference per group, at
+most capacity groups copied inline) plus three segments (wal-K, wal-K+1, the spare) of about
+`snapshot_log_bytes` each; one snapshot is written at a time (the loop waits for the previous
+one before it switches again), and while it is, snapshot.tmp too. Record format and checksums
+(seeded with the segment id): replay/wal_records.py. Record kinds: one per HubState op in the
+log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`, ...) plus `segment`;
+`snapshot` and `group` in the snapshot file.
 
 Nothing of wal-K+1 is acknowledged before the snapshot that makes it replayable is renamed into
 place, so a crash at any step recovers: before the rename, the old snapshot + wal-K (wal-K+1 is
-deleted at recovery, never appended to); after it, the new snapshot + wal-K+1 (a leftover
+deleted at recovery, never written to again); after it, the new snapshot + wal-K+1 (a leftover
 wal-K-1 is deleted). Recovery loads the snapshot (reading referenced records by offset, checked
 like any record), then replays the current segment record by record with `HubState.apply`, and
 stops at the first record that is torn (the file ends inside it) or corrupt (bad length or
 checksum): that record and everything after it is never loaded, and the file is cut there so new
-records never follow garbage. Nothing was acknowledged for such a record (acks leave only after
+records never follow garbage (in a recycled segment the end marker is where its records end:
+nothing is cut, the next commit overwrites from there). Nothing was acknowledged for such a record (acks leave only after
 the commit that wrote it), so skipping it loses nothing promised.
 
 `fsync = "commit"` makes every commit reach the disk before its acks (survives power loss);
