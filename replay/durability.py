@@ -217,12 +217,12 @@ class WriteAheadLog:
         self.log_id = log_id
         path = segment_path(self.dir, log_id)
         if at is not None:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             self.log_bytes = at
             fsync_dir(self.dir)
             return
         recycled = take_spare(path)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if recycled < 0 else 0),
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if recycled < 0 else 0),
                           0o644)  # fmt: skip
         self.log_bytes, self.recycled = 0, recycled >= 0
         if self.recycled:
@@ -278,7 +278,7 @@ class WriteAheadLog:
                     end = after
             except TornRecord as exc:
                 end = exc.offset
-                if self.recycled and exc.why == END_MARKER:
+                if exc.why == END_MARKER:  # written by the syncer, or in a recycled segment
                     return end
                 found.reason = str(exc)
                 found.skipped_bytes = path.stat().st_size - exc.offset

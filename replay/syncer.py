@@ -1,6 +1,6 @@
 """The syncer thread of the hub's write-ahead log: its disk work, in the order it was queued.
 
-    loop: commit() --request(fd, lsn, buffers, offset)--> jobs --> pwritev + fdatasync
+    loop: commit() --request(fd, lsn, buffers, offset)--> jobs --> O_DIRECT write + fdatasync
           snapshot() --snapshot(job)----------------------> jobs --> SnapshotJob.run
                                                                    |
           loop's poller <-- a byte on wake_fd <-- `synced` = lsn --+
@@ -18,8 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from replay.direct_io import DirectWriter
 from replay.snapshot import SnapshotJob, retire
-from replay.wal_records import END, write_buffers
+from replay.wal_records import END
 
 Write = tuple[int, int, list[Any], int]  # a write job: fd, log position after it, buffers, offset
 
@@ -28,8 +29,8 @@ class Syncer:
     """The log's disk work on a thread of its own, in the order it was queued: write jobs
     (`request(fd, lsn, buffers)`: write, fsync, then `synced` covers `lsn` and a byte on
     `wake_fd` says so; consecutive ones share one fsync) and snapshot jobs (`snapshot(job)`).
-    Copying records into the page cache is a commit's largest cost after the fsync, and a
-    snapshot's file work takes tens of milliseconds, so the hub's loop does none of it."""
+    Copying records to the disk is a commit's largest cost after the sync (replay/direct_io.py),
+    and a snapshot's file work takes tens of milliseconds, so the hub's loop does none of it."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -38,6 +39,7 @@ class Syncer:
         self.num_queued = self.num_done = 0  # jobs
         self.error: Exception | None = None
         self.stopping = False
+        self.writer = DirectWriter()
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
@@ -111,7 +113,7 @@ class Syncer:
     def _flush(self, fd: int, lsn: int, buffers: list[Any], offset: int) -> None:
         if not buffers:
             return
-        write_buffers(fd, buffers, offset)
+        self.writer.write(fd, buffers, offset)
         os.fdatasync(fd)
         with self.cond:
             self.synced = lsn
@@ -136,5 +138,6 @@ class Syncer:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
+        self.writer.close()
         os.close(self.wake_fd)
         os.close(self._wake_w)
