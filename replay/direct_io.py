@@ -54,11 +54,15 @@ class DirectWriter:
 
     def _write_direct(self, fd: int, buffers: list[Any], offset: int) -> None:
         start = offset - offset % BLOCK
-        head = self.tail if offset == self.tail_end else os.pread(fd, offset - start, start)
-        assert len(head) == offset - start, "the log's last block is shorter than its records"
+        n, pos = offset - start, start  # the last block's records come first
+        if offset == self.tail_end:
+            self.staging[:n] = np.frombuffer(self.tail, np.uint8)
+        elif n:  # read back (aligned, as O_DIRECT wants) after a restart
+            with memoryview(self.mm) as view:
+                got = os.preadv(fd, [view[:BLOCK]], start)
+            assert got >= n, "the log's last block is shorter than its records"
         limit = STAGING_BYTES - BLOCK  # room for the end marker and the padding
-        n, pos = 0, start
-        for part in (head, *buffers):
+        for part in buffers:
             src = np.frombuffer(part, np.uint8)
             i = 0
             while i < src.size:
