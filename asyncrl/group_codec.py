@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,21 @@ _INT, _STR, _FLOAT, _NUM = {int}, {str}, {float}, {int, float}
 _FINISH = frozenset(FINISH_REASONS)
 _INF, _isfinite = math.inf, math.isfinite
 _lt, _gt, _sub = operator.lt, operator.gt, operator.sub  # on ints: int.__lt__ &co are slower
+
+
+_WIRE = "_wire"  # instance attribute, not a field: the frames a decoded group came in
+
+
+def remember_frames(group: Group, frames: Sequence[Any]) -> None:
+    """Keep the frames `group` was decoded from (its header and array frames, as received):
+    encoding it inside another message (a hub's `Batch`) then sends them again as they are,
+    without re-encoding the header or touching the arrays."""
+    group.__dict__[_WIRE] = list(frames)
+
+
+def wire_frames(group: Group) -> list[Any] | None:
+    """The frames `group` was decoded from, or None for a group built here."""
+    return group.__dict__.get(_WIRE)
 
 
 def new_message(cls: type, fields: dict[str, Any]) -> Any:
@@ -326,6 +342,7 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
+    out.pop(_WIRE, None)
     for name in OPTIONAL_LISTS:
         if not out[name]:
             del out[name]  # not recorded: off the wire, as before these fields existed

@@ -33,7 +33,15 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncrl.group_codec import check_group, decode_group, encode_group, new_message, payload
+from asyncrl.group_codec import (
+    check_group,
+    decode_group,
+    encode_group,
+    new_message,
+    payload,
+    remember_frames,
+    wire_frames,
+)
 from asyncrl.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FINISH_REASONS,
@@ -163,6 +171,7 @@ class _Plan:
     arrays: tuple[tuple[str, str], ...]  # (name, dtype)
     msgs: tuple[str, ...]
     omitted: tuple[tuple[str, Any], ...]  # (name, default): off the wire at the default
+    nested: dict[str, type]  # message fields: the type of their items
 
 
 def _plan_of(cls: type) -> _Plan:
@@ -176,7 +185,17 @@ def _plan_of(cls: type) -> _Plan:
     omitted = tuple(
         (s.name, s.default() if callable(s.default) else s.default) for s in specs if s.omit
     )
-    return _Plan(tuple(s.name for s in specs if s.kind == "float"), arrays, msgs, omitted)
+    nested = {s.name: s.nested for s in specs if s.kind == "msgs"}
+    floats = tuple(s.name for s in specs if s.kind == "float")
+    return _Plan(floats, arrays, msgs, omitted, nested)
+
+
+def _embed(group: Group, frames: list[Any]) -> int:
+    """Append a group's own message frames (the frames it was decoded from, when it was: a hub
+    forwards what it received) and return how many there are."""
+    own = wire_frames(group) or encode(group)
+    frames.extend(own)
+    return len(own)
 
 
 _PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in _SPECS}
@@ -203,8 +222,8 @@ def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
         frames.append(payload(arr))
     for name in plan.msgs:
         items = out[name]
-        if items and type(items[0]) is Group:
-            out[name] = [encode_group(g, frames) for g in items]
+        if plan.nested[name] is Group:  # embedded whole: the header lists their frame counts
+            out[name] = [_embed(g, frames) for g in items]
         else:
             out[name] = [_encode_obj(item, frames) for item in items]
     for name, default in plan.omitted:
@@ -265,27 +284,41 @@ def decode(
         raise ProtocolError(
             "message", f"{total} bytes exceeds the limit of {max_message_bytes}", "too_large"
         )
+    return _decode_message(frames, bufs, check_values, "")
+
+
+def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
+                    prefix: str) -> Message:  # fmt: skip
+    """One whole message: a top-level one, or one embedded in another (`prefix` names where)."""
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError("header", f"not a msgpack map ({type(exc).__name__})") from None
+        raise ProtocolError(
+            prefix + "header", f"not a msgpack map ({type(exc).__name__})"
+        ) from None
     if type(header) is not dict:
-        raise ProtocolError("header", f"must be a map, got {type(header).__name__}")
+        raise ProtocolError(prefix + "header", f"must be a map, got {type(header).__name__}")
     protocol = header.get("protocol")
     if type(protocol) is not int or protocol != PROTOCOL_VERSION:
         raise ProtocolError(
-            "protocol", f"version {protocol!r} is not {PROTOCOL_VERSION}", "protocol_mismatch"
+            prefix + "protocol",
+            f"version {protocol!r} is not {PROTOCOL_VERSION}",
+            "protocol_mismatch",
         )
     name = header.get("type")
     cls = _BY_NAME.get(name) if type(name) is str else None
-    if cls is None:
-        raise ProtocolError("type", f"unknown message type {name!r}")
+    if cls is None or (prefix and cls is not Group):  # only groups are embedded
+        raise ProtocolError(prefix + "type", f"unknown message type {name!r}")
     used: set[int] = set()
-    msg = decode_group(header, bufs, used, check_values) if cls is Group else None
+    msg = decode_group(header, bufs, used, values) if cls is Group else None
     if msg is None:
-        msg = _decode_obj(cls, header, bufs, used, "", check_values)
+        msg = _decode_obj(cls, header, bufs, used, prefix, values)
     if len(used) != len(bufs) - 1:
-        raise ProtocolError("frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced")
+        raise ProtocolError(
+            prefix + "frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced"
+        )
+    if cls is Group:
+        remember_frames(msg, frames)
     return msg
 
 
@@ -331,15 +364,34 @@ def _decode_msgs(nested: type, value: Any, bufs: list[memoryview], used: set[int
                  values: bool) -> tuple:  # fmt: skip
     if type(value) is not list:
         raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
+    if nested is Group:
+        return _decode_embedded(value, bufs, used, path, values)
     items = []
     for i, item in enumerate(value):
         if type(item) is not dict:
             raise ProtocolError(f"{path}[{i}]", "must be a map")
-        obj = decode_group(item, bufs, used, values) if nested is Group else None
-        if obj is None:
-            obj = _decode_obj(nested, item, bufs, used, f"{path}[{i}].", values)
-        items.append(obj)
+        items.append(_decode_obj(nested, item, bufs, used, f"{path}[{i}].", values))
     return tuple(items)
+
+
+def _decode_embedded(counts: list[Any], bufs: list[memoryview], used: set[int], path: str,
+                     values: bool) -> tuple[Group, ...]:  # fmt: skip
+    """Groups embedded whole: `counts[i]` frames each (header first), in order, right after
+    the frames the outer message's own fields took."""
+    pos, groups = len(used) + 1, []
+    for i, count in enumerate(counts):
+        if type(count) is not int or count < 1:
+            raise ProtocolError(f"{path}[{i}]", f"must be a frame count >= 1, got {count!r}")
+        end = pos + count
+        if end > len(bufs) or not used.isdisjoint(range(pos, end)):
+            raise ProtocolError(
+                f"{path}[{i}]", f"{count} frames from frame {pos}: not sent", "truncated"
+            )
+        frames = bufs[pos:end]
+        groups.append(_decode_message(frames, frames, values, f"{path}[{i}]."))
+        used.update(range(pos, end))
+        pos = end
+    return tuple(groups)
 
 
 def _decode_list(kind: int, value: Any, path: str) -> list[Any]:
