@@ -4,8 +4,12 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the header:
 ``{"type": <name>, "protocol": PROTOCOL_VERSION, <field>: <value>, ...}``. Array fields are
 not in the header; the header holds a reference ``{"dtype", "shape", "frame"}`` and frames
 1..k carry the raw contiguous buffers (sent with ``copy=False``; decoded with
-``np.frombuffer``, so a decoded array is a read-only view of the received frame). Nothing is
-ever pickled. Every name of asyncrl/messages.py is re-exported here.
+``np.frombuffer``, so a decoded array is a read-only view of the received frame). A message
+that carries groups (a `Batch`) embeds each as a whole Group message: its header lists how
+many frames each group takes (``"groups": [4, 4, ...]``) and those frames follow, each group's
+header first, its array references counted from its own header (protocol 2; a hub forwards
+the frames it received). Nothing is ever pickled. Every name of asyncrl/messages.py is
+re-exported here.
 
 Evolution: fields are only appended, with defaults; a decoder ignores header keys it does not
 know and fills defaults for keys it does not get. An appended field marked `omit_default` is
@@ -16,8 +20,8 @@ tests/unit/test_protocol.py.
 Decoding validates everything and raises `ProtocolError` naming the field: the header type,
 field types, array dtypes and shapes, the consistency of a group's token arrays with its
 prompt lengths, finite floats, and the total size against the configured limit. Groups, the
-bulk of the traffic, take a fast path first (asyncrl/group_codec.py) that accepts exactly what
-the generic path below accepts. `decode(..., check_values=False)` skips scanning the values of
+bulk of the traffic, take a compiled fast path first (asyncrl/group_codec.py) that accepts
+only what the generic path below accepts, and hands anything unusual to it. `decode(..., check_values=False)` skips scanning the values of
 group arrays (see group_codec: for batches from the hub, which scanned them on arrival).
 """
 
@@ -290,6 +294,10 @@ def decode(
 def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
                     prefix: str) -> Message:  # fmt: skip
     """One whole message: a top-level one, or one embedded in another (`prefix` names where)."""
+    group = decode_group(bufs, values)  # the usual message, on its compiled fast path
+    if group is not None:
+        remember_frames(group, frames)
+        return group
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -310,9 +318,7 @@ def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
     if cls is None or (prefix and cls is not Group):  # only groups are embedded
         raise ProtocolError(prefix + "type", f"unknown message type {name!r}")
     used: set[int] = set()
-    msg = decode_group(header, bufs, used, values) if cls is Group else None
-    if msg is None:
-        msg = _decode_obj(cls, header, bufs, used, prefix, values)
+    msg = _decode_obj(cls, header, bufs, used, prefix, values)
     if len(used) != len(bufs) - 1:
         raise ProtocolError(
             prefix + "frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced"

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.group_codec import decode_group
 from asyncrl.protocol import (
     _SPECS,
     FINISH_REASONS,
@@ -702,6 +703,28 @@ def test_fast_path_refuses_what_the_generic_path_refuses() -> None:
     assert rejected(edited(GROUP, max_policy_versions=[1])).field == "min_policy_versions"
 
 
+def test_compiled_fast_path_takes_only_what_the_generic_path_takes() -> None:
+    """The fast path (msgspec, typed header) must never accept a header the generic path
+    (msgpack with strict map keys) refuses; it may hand odd but valid ones over."""
+    frames = wire(GROUP)
+    head = msgpack.unpackb(frames[0])
+
+    def fast(header: bytes) -> bool:
+        return decode_group([memoryview(header), *map(memoryview, frames[1:])], True) is not None
+
+    refused = [frames[0] + b"\x01", msgpack.packb({**head, "metadata": {1: 2}}),
+               msgpack.packb({**head, "metadata": {"a": {1: 2}}}),
+               msgpack.packb({**head, "unknown": {1: 2}})]  # fmt: skip
+    for header in refused:
+        assert not fast(header)
+        assert rejected([header, *frames[1:]]).field == "header"
+    bytes_key = msgpack.packb({**head, "timings": {b"t": 1.0}})
+    assert not fast(bytes_key) and decode([bytes_key, *frames[1:]]).timings == {b"t": 1.0}
+    later = msgpack.packb({**head, "later": 1})  # a field appended by a newer peer
+    assert not fast(later) and same(decode([later, *frames[1:]]), GROUP)
+    assert fast(frames[0]) and fast(msgpack.packb({**head, "timings": {"t": 1}}))
+
+
 def test_version_spans_must_describe_the_versions() -> None:
     traj = Trajectory(tokens=np.arange(7, dtype=np.int32), prompt_len=2,
                       loss_mask=np.ones(5, np.uint8), behavior_logprobs=np.zeros(5, np.float32),
@@ -730,7 +753,11 @@ def test_embedded_groups_are_whole_messages_checked_as_such() -> None:
     batch = GOLDEN_MESSAGES["Batch"]
     frames = wire(batch)
     group_head = msgpack.unpackb(frames[1])
-    two = [msgpack.packb({**msgpack.unpackb(frames[0]), "groups": [4, 4]}), *frames[1:], *frames[1:]]
+    two = [
+        msgpack.packb({**msgpack.unpackb(frames[0]), "groups": [4, 4]}),
+        *frames[1:],
+        *frames[1:],
+    ]
     assert len(decode(two).groups) == 2
     assert rejected(edited(batch, groups=[3])).field == "groups[0].behavior_logprobs"
     assert rejected(edited(batch, groups=[5])).code == "truncated"
