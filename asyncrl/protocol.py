@@ -176,6 +176,7 @@ class _Plan:
     msgs: tuple[str, ...]
     omitted: tuple[tuple[str, Any], ...]  # (name, default): off the wire at the default
     nested: dict[str, type]  # message fields: the type of their items
+    plain: bool  # none of the above: the field dict goes out as it is
 
 
 def _plan_of(cls: type) -> _Plan:
@@ -191,7 +192,8 @@ def _plan_of(cls: type) -> _Plan:
     )
     nested = {s.name: s.nested for s in specs if s.kind == "msgs"}
     floats = tuple(s.name for s in specs if s.kind == "float")
-    return _Plan(floats, arrays, msgs, omitted, nested)
+    plain = not (floats or arrays or msgs or omitted)
+    return _Plan(floats, arrays, msgs, omitted, nested, plain)
 
 
 def _embed(group: Group, frames: list[Any]) -> int:
@@ -218,6 +220,8 @@ def encode(msg: Message) -> list[Any]:
 def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
     out = dict(obj.__dict__)  # the fields, in declaration order
     plan = _PLANS[type(obj)]
+    if plan.plain:  # nothing to convert (a CreditItem, most small messages)
+        return out
     for name in plan.floats:
         out[name] = float(out[name])
     for name, dtype in plan.arrays:
