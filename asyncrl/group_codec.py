@@ -2,10 +2,17 @@
 
 Groups are nearly all the bytes and most of the messages asyncrl moves, and every one is
 decoded at least twice (the hub on arrival, the learner inside a `Batch`), so they get a
-decoder of their own. `decode_group` accepts a well-formed group in the canonical layout that
-`encode` writes (array frames k, k+1, k+2 in field order) with a handful of bulk checks, and
-answers None for anything else; the caller then takes the generic path of asyncrl/protocol.py,
-which finds and names whatever is wrong. Both paths accept exactly the same groups.
+decoder of their own. `decode_group` takes a whole Group message in the canonical layout that
+`encode` writes (header with exactly the known keys, array frames 1, 2, 3 in field order): the
+header is parsed and type-checked in compiled code (msgspec, into `_Head`), then the rules
+between fields take a handful of bulk checks. Anything else (an unknown key, an odd layout, a
+refusal) answers None, and the caller takes the generic path of asyncrl/protocol.py, which
+finds and names whatever is wrong. The fast path never accepts what the generic path refuses
+(tests/unit/test_protocol.py pins it: typed parsing is at least as strict as msgpack with
+strict map keys, and `metadata`, the one free-form map, is decoded by msgpack itself).
+
+A decoded group remembers the frames it came in (`remember_frames`): a `Batch` embeds each
+of its groups as that whole Group message, so the hub forwards what it received unchanged.
 
 What a valid group is (`check_group` states it field by field):
 - one or more trajectories; every per-trajectory list has one entry per trajectory;
@@ -33,26 +40,40 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from typing import Any
 
+import msgpack
+import msgspec
 import numpy as np
 
-from asyncrl.messages import FINISH_REASONS, Group, ProtocolError
+from asyncrl.messages import FINISH_REASONS, PROTOCOL_VERSION, Group, ProtocolError
 
 LOGPROB_SLACK = 1e-3  # behaviour logprobs are <= 0 up to float rounding
 GROUP_ARRAYS = (("tokens", "int32"), ("loss_mask", "uint8"), ("behavior_logprobs", "float32"))
 
-_FIELDS = operator.itemgetter(
-    "group_id", "prompt_id", "credit_id", "actor_id", "seq", "trajectory_ids", "seq_lens",
-    "prompt_lens", "rewards", "min_policy_versions", "max_policy_versions", "finish_reasons",
-    "reward_failed", "tokens", "loss_mask", "behavior_logprobs",
-)  # fmt: skip
 _I32, _U8, _F32 = np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.float32)
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max add a Python wrapper
-_INT, _STR, _FLOAT, _NUM = {int}, {str}, {float}, {int, float}
+_NUM = {int, float}
+_EMPTY_MAP = b"\x80"  # msgpack's empty map
 _FINISH = frozenset(FINISH_REASONS)
 _INF, _isfinite = math.inf, math.isfinite
 _lt, _gt, _sub = operator.lt, operator.gt, operator.sub  # on ints: int.__lt__ &co are slower
+
+
+_WIRE = "_wire"  # instance attribute, not a field: the frames a decoded group came in
+
+
+def remember_frames(group: Group, frames: Sequence[Any]) -> None:
+    """Keep the frames `group` was decoded from (its header and array frames, as received):
+    encoding it inside another message (a hub's `Batch`) then sends them again as they are,
+    without re-encoding the header or touching the arrays."""
+    group.__dict__[_WIRE] = list(frames)
+
+
+def wire_frames(group: Group) -> list[Any] | None:
+    """The frames `group` was decoded from, or None for a group built here."""
+    return group.__dict__.get(_WIRE)
 
 
 def new_message(cls: type, fields: dict[str, Any]) -> Any:
@@ -62,50 +83,119 @@ def new_message(cls: type, fields: dict[str, Any]) -> Any:
     return obj
 
 
-def decode_group(
-    data: dict[str, Any], bufs: list[memoryview], used: set[int], values: bool
-) -> Group | None:
-    """The group in header map `data` whose arrays are the next three unused frames, or None
+class _Ref(msgspec.Struct, forbid_unknown_fields=True):
+    """An array reference as `encode` writes it."""
+
+    dtype: str
+    shape: list[int]
+    frame: int
+
+
+class _Head(msgspec.Struct, forbid_unknown_fields=True):
+    """The header of a Group message, typed: what the compiled decoder checks while it parses
+    (types only; the rules between fields are checked after). Unknown keys go to the generic
+    path, which ignores them; `metadata` stays raw bytes until it is known to be non-empty."""
+
+    group_id: str
+    prompt_id: str
+    credit_id: int
+    actor_id: str
+    seq: int
+    trajectory_ids: list[str]
+    seq_lens: list[int]
+    prompt_lens: list[int]
+    rewards: list[float]
+    min_policy_versions: list[int]
+    max_policy_versions: list[int]
+    finish_reasons: list[str]
+    reward_failed: list[str]
+    tokens: _Ref
+    loss_mask: _Ref
+    behavior_logprobs: _Ref
+    metadata: msgspec.Raw = msgspec.Raw(_EMPTY_MAP)
+    timings: dict[str, float] = {}
+    num_turns: list[int] = []
+    tool_s: list[float] = []
+    env_s: list[float] = []
+    version_spans: list[int] = []
+    reward_components: dict[str, list[float]] = {}
+    type: str = ""
+    protocol: int = 0
+
+
+_HEAD = msgspec.msgpack.Decoder(_Head)
+_PARSE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
+    """The Group message in `bufs` (header, then its three arrays in field order), or None
     when anything about it is unusual (the generic decoder then decides)."""
     try:
-        (gid, pid, cid, aid, seq, tids, seq_lens, prompt_lens, rewards, lo, hi, finish, failed,
-         rt, rm, rl) = _FIELDS(data)  # fmt: skip
-    except KeyError:
+        h = _HEAD.decode(bufs[0])
+    except _PARSE_ERRORS:
         return None
-    if not (
-        type(gid) is str and type(pid) is str and type(aid) is str and type(cid) is int
-        and type(seq) is int and type(rewards) is list
-        and _lists_ok(seq_lens, prompt_lens, lo, hi, tids, finish, failed, len(rewards))
+    if h.type != "Group" or h.protocol != PROTOCOL_VERSION or len(bufs) != 4:
+        return None
+    seq_lens, prompt_lens, lo, hi = h.seq_lens, h.prompt_lens, h.min_policy_versions, h.max_policy_versions  # fmt: skip
+    n = len(seq_lens)
+    if not n or not (
+        len(prompt_lens) == len(lo) == len(hi) == len(h.rewards) == len(h.trajectory_ids)
+        == len(h.finish_reasons) == len(h.reward_failed) == n
     ):  # fmt: skip
         return None
-    n = len(rewards)
-    rewards, extras, episode = _finite_rewards(rewards), _extras(data), _episode_lists(data, n)
-    components = _components(data, n)
-    if rewards is None or extras is None or episode is None or components is None:
+    if min(prompt_lens) < 0 or min(lo) < 0 or any(map(_lt, seq_lens, prompt_lens)):
         return None
-    spans = data["version_spans"] if "version_spans" in data else []
-    if spans and (
-        type(spans) is not list
-        or set(map(type, spans)) != _INT
-        or spans_problem(spans, lo, hi, list(map(_sub, seq_lens, prompt_lens)))
-    ):
+    if any(map(_gt, lo, hi)) or not _FINISH.issuperset(h.finish_reasons):
+        return None
+    # a sum is finite iff every term is (overflow aside, which the generic path sorts out)
+    if not (_isfinite(sum(h.rewards)) and _isfinite(sum(h.timings.values()))):
+        return None
+    metadata = _metadata(h.metadata)
+    if metadata is None or not _episode_ok(h, n) or not _components_ok(h.reward_components, n):
+        return None
+    spans = h.version_spans
+    if spans and spans_problem(spans, lo, hi, list(map(_sub, seq_lens, prompt_lens))):
         return None  # only groups that record versions pay for the check
     num_tokens = sum(seq_lens)
-    arrays = _arrays(rt, rm, rl, num_tokens, num_tokens - sum(prompt_lens), bufs, used)
+    arrays = _arrays(h, num_tokens, num_tokens - sum(prompt_lens), bufs)
     if arrays is None or (values and not _values_ok(*arrays)):
         return None
-    k = len(used) + 1
-    used.update((k, k + 1, k + 2))
     g = object.__new__(Group)
     g.__dict__.update(
-        group_id=gid, prompt_id=pid, credit_id=cid, actor_id=aid, seq=seq, trajectory_ids=tids,
-        seq_lens=seq_lens, prompt_lens=prompt_lens, rewards=rewards, min_policy_versions=lo,
-        max_policy_versions=hi, finish_reasons=finish, reward_failed=failed, tokens=arrays[0],
-        loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=extras[0], timings=extras[1],
-        num_turns=episode[0], tool_s=episode[1], env_s=episode[2], version_spans=spans,
-        reward_components=components,
+        group_id=h.group_id, prompt_id=h.prompt_id, credit_id=h.credit_id, actor_id=h.actor_id,
+        seq=h.seq, trajectory_ids=h.trajectory_ids, seq_lens=seq_lens, prompt_lens=prompt_lens,
+        rewards=h.rewards, min_policy_versions=lo, max_policy_versions=hi,
+        finish_reasons=h.finish_reasons, reward_failed=h.reward_failed, tokens=arrays[0],
+        loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=metadata, timings=h.timings,
+        num_turns=h.num_turns, tool_s=h.tool_s, env_s=h.env_s, version_spans=spans,
+        reward_components=h.reward_components,
     )  # fmt: skip
     return g
+
+
+def _metadata(raw: msgspec.Raw) -> dict[str, Any] | None:
+    """`metadata` decoded as the generic path decodes headers, or None if it is not a map."""
+    if bytes(raw) == _EMPTY_MAP:
+        return {}
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    return value if type(value) is dict else None
+
+
+def _episode_ok(h: _Head, n: int) -> bool:
+    """num_turns, tool_s, env_s: each empty or one entry per trajectory, in range."""
+    turns, tool_s, env_s = h.num_turns, h.tool_s, h.env_s
+    if (turns and (len(turns) != n or min(turns) < 0)) or (tool_s and len(tool_s) != n):
+        return False
+    if env_s and len(env_s) != n:
+        return False
+    return _isfinite(sum(tool_s)) and _isfinite(sum(env_s))
+
+
+def _components_ok(components: dict[str, list[float]], n: int) -> bool:
+    return all(len(v) == n and _isfinite(sum(v)) for v in components.values())
 
 
 def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: list[int]) -> str:
@@ -132,107 +222,24 @@ def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: li
     return ""
 
 
-def _lists_ok(seq_lens: Any, prompt_lens: Any, lo: Any, hi: Any, tids: Any, finish: Any,
-              failed: Any, n_rewards: int) -> bool:  # fmt: skip
-    """The per-trajectory lists: lists, one entry per trajectory, of the right types and ranges."""
-    if not (
-        type(seq_lens) is list and type(prompt_lens) is list and type(lo) is list
-        and type(hi) is list and type(tids) is list and type(finish) is list
-        and type(failed) is list
-    ):  # fmt: skip
-        return False
-    n = len(seq_lens)
-    if not n or not (
-        len(tids) == len(prompt_lens) == n_rewards == len(lo) == len(hi) == len(finish)
-        == len(failed) == n
-    ):  # fmt: skip
-        return False
-    if {*map(type, tids), *map(type, finish), *map(type, failed)} != _STR:
-        return False
-    if {*map(type, seq_lens), *map(type, prompt_lens), *map(type, lo), *map(type, hi)} != _INT:
-        return False
-    if not _FINISH.issuperset(finish) or min(prompt_lens) < 0 or min(lo) < 0:
-        return False
-    return not (any(map(_lt, seq_lens, prompt_lens)) or any(map(_gt, lo, hi)))
-
-
-def _finite_rewards(rewards: list[Any]) -> list[float] | None:
-    kinds = set(map(type, rewards))
-    if kinds != _FLOAT:
-        if not kinds <= _NUM:
-            return None
-        rewards = list(map(float, rewards))
-    # a sum is finite iff every term is (overflow aside, which the generic path sorts out)
-    return rewards if _isfinite(sum(rewards)) else None
-
-
-def _extras(data: dict[str, Any]) -> tuple[dict, dict] | None:
-    """(metadata, timings), defaults filled in, if they are maps (timings of finite numbers)."""
-    metadata = data["metadata"] if "metadata" in data else {}
-    timings = data["timings"] if "timings" in data else {}
-    if type(metadata) is not dict or type(timings) is not dict:
-        return None
-    if timings and not (set(map(type, timings.values())) <= _NUM and _isfinite(sum(timings.values()))):  # fmt: skip
-        return None
-    return metadata, timings
-
-
 EPISODE_LISTS = ("num_turns", "tool_s", "env_s")
 OPTIONAL_LISTS = (*EPISODE_LISTS, "version_spans")
 """Per-group lists that stay off the wire when empty."""
 
 
-def _episode_lists(data: dict[str, Any], n: int) -> tuple[list, list, list] | None:
-    """(num_turns, tool_s, env_s), each empty or one well-typed entry per trajectory."""
-    out = []
-    for name in EPISODE_LISTS:
-        value = data[name] if name in data else []
-        if type(value) is not list or (value and len(value) != n):
-            return None
-        if value:
-            kinds = set(map(type, value))
-            if name == "num_turns":
-                if kinds != _INT or min(value) < 0:
-                    return None
-            elif kinds != _FLOAT or not _isfinite(sum(value)):
-                return None
-        out.append(value)
-    return out[0], out[1], out[2]
-
-
-def _components(data: dict[str, Any], n: int) -> dict[str, list[float]] | None:
-    """`reward_components` ({} when absent) if it maps strings to n finite floats each."""
-    components = data["reward_components"] if "reward_components" in data else {}
-    if type(components) is not dict:
-        return None
-    for name, values in components.items():
-        if type(name) is not str or type(values) is not list or len(values) != n:
-            return None
-        if set(map(type, values)) != _FLOAT or not _isfinite(sum(values)):
-            return None
-    return components
-
-
-def _arrays(rt: Any, rm: Any, rl: Any, num_tokens: int, num_completion: int,
-            bufs: list[memoryview], used: set[int]) -> tuple[np.ndarray, ...] | None:  # fmt: skip
-    """The three arrays, if their references are canonical (the next three frames, in order)
+def _arrays(h: _Head, num_tokens: int, num_completion: int,
+            bufs: list[memoryview]) -> tuple[np.ndarray, ...] | None:  # fmt: skip
+    """The three arrays, if their references are canonical (frames 1, 2, 3 in field order)
     and those frames hold exactly the bytes the lengths call for."""
-    k = len(used) + 1  # frames 1..k-1 are taken when every earlier reference was canonical
-    if k + 2 >= len(bufs) or k in used or k + 1 in used or k + 2 in used:
+    rt, rm, rl = h.tokens, h.loss_mask, h.behavior_logprobs
+    if not (
+        rt.frame == 1 and rm.frame == 2 and rl.frame == 3 and rt.dtype == "int32"
+        and rm.dtype == "uint8" and rl.dtype == "float32" and rt.shape == [num_tokens]
+        and rm.shape == [num_completion] and rl.shape == [num_completion]
+    ):  # fmt: skip
         return None
-    if (
-        rt != {"dtype": "int32", "shape": [num_tokens], "frame": k}
-        or rm != {"dtype": "uint8", "shape": [num_completion], "frame": k + 1}
-        or rl != {"dtype": "float32", "shape": [num_completion], "frame": k + 2}
-    ):
-        return None
-    # == also holds for True == 1 and 3.0 == 3: the generic path refuses those
-    types = {type(rt["frame"]), type(rm["frame"]), type(rl["frame"]), type(rt["shape"][0]),
-             type(rm["shape"][0]), type(rl["shape"][0])}  # fmt: skip
-    bt, bm, bl = bufs[k], bufs[k + 1], bufs[k + 2]
-    if types != _INT or bt.nbytes != 4 * num_tokens or bm.nbytes != num_completion:
-        return None
-    if bl.nbytes != 4 * num_completion:
+    bt, bm, bl = bufs[1], bufs[2], bufs[3]
+    if bt.nbytes != 4 * num_tokens or bm.nbytes != num_completion or bl.nbytes != 4 * num_completion:  # fmt: skip
         return None
     return np.frombuffer(bt, _I32), np.frombuffer(bm, _U8), np.frombuffer(bl, _F32)
 
@@ -326,6 +333,7 @@ def encode_group(g: Group, frames: list[Any]) -> dict[str, Any]:
     """A group's header map (fields in declaration order, arrays as references to the frames
     appended here)."""
     out = dict(g.__dict__)
+    out.pop(_WIRE, None)
     for name in OPTIONAL_LISTS:
         if not out[name]:
             del out[name]  # not recorded: off the wire, as before these fields existed

@@ -17,7 +17,7 @@ import numpy as np
 
 from asyncrl.score_messages import ScoreRequest, Scores
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a Batch embeds its groups as whole Group messages
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
 ROLES = ("actor", "learner", "client")

@@ -4,8 +4,12 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the header:
 ``{"type": <name>, "protocol": PROTOCOL_VERSION, <field>: <value>, ...}``. Array fields are
 not in the header; the header holds a reference ``{"dtype", "shape", "frame"}`` and frames
 1..k carry the raw contiguous buffers (sent with ``copy=False``; decoded with
-``np.frombuffer``, so a decoded array is a read-only view of the received frame). Nothing is
-ever pickled. Every name of asyncrl/messages.py is re-exported here.
+``np.frombuffer``, so a decoded array is a read-only view of the received frame). A message
+that carries groups (a `Batch`) embeds each as a whole Group message: its header lists how
+many frames each group takes (``"groups": [4, 4, ...]``) and those frames follow, each group's
+header first, its array references counted from its own header (protocol 2; a hub forwards
+the frames it received). Nothing is ever pickled. Every name of asyncrl/messages.py is
+re-exported here.
 
 Evolution: fields are only appended, with defaults; a decoder ignores header keys it does not
 know and fills defaults for keys it does not get. An appended field marked `omit_default` is
@@ -16,8 +20,8 @@ tests/unit/test_protocol.py.
 Decoding validates everything and raises `ProtocolError` naming the field: the header type,
 field types, array dtypes and shapes, the consistency of a group's token arrays with its
 prompt lengths, finite floats, and the total size against the configured limit. Groups, the
-bulk of the traffic, take a fast path first (asyncrl/group_codec.py) that accepts exactly what
-the generic path below accepts. `decode(..., check_values=False)` skips scanning the values of
+bulk of the traffic, take a compiled fast path first (asyncrl/group_codec.py) that accepts
+only what the generic path below accepts, and hands anything unusual to it. `decode(..., check_values=False)` skips scanning the values of
 group arrays (see group_codec: for batches from the hub, which scanned them on arrival).
 """
 
@@ -31,9 +35,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
-from asyncrl.group_codec import check_group, decode_group, encode_group, new_message, payload
+from asyncrl.group_codec import (
+    check_group,
+    decode_group,
+    encode_group,
+    new_message,
+    payload,
+    remember_frames,
+    wire_frames,
+)
 from asyncrl.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FINISH_REASONS,
@@ -163,6 +176,8 @@ class _Plan:
     arrays: tuple[tuple[str, str], ...]  # (name, dtype)
     msgs: tuple[str, ...]
     omitted: tuple[tuple[str, Any], ...]  # (name, default): off the wire at the default
+    nested: dict[str, type]  # message fields: the type of their items
+    plain: bool  # none of the above: the field dict goes out as it is
 
 
 def _plan_of(cls: type) -> _Plan:
@@ -176,7 +191,18 @@ def _plan_of(cls: type) -> _Plan:
     omitted = tuple(
         (s.name, s.default() if callable(s.default) else s.default) for s in specs if s.omit
     )
-    return _Plan(tuple(s.name for s in specs if s.kind == "float"), arrays, msgs, omitted)
+    nested = {s.name: s.nested for s in specs if s.kind == "msgs"}
+    floats = tuple(s.name for s in specs if s.kind == "float")
+    plain = not (floats or arrays or msgs or omitted)
+    return _Plan(floats, arrays, msgs, omitted, nested, plain)
+
+
+def _embed(group: Group, frames: list[Any]) -> int:
+    """Append a group's own message frames (the frames it was decoded from, when it was: a hub
+    forwards what it received) and return how many there are."""
+    own = wire_frames(group) or encode(group)
+    frames.extend(own)
+    return len(own)
 
 
 _PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in _SPECS}
@@ -188,13 +214,20 @@ def encode(msg: Message) -> list[Any]:
     header = encode_group(msg, frames) if type(msg) is Group else _encode_obj(msg, frames)
     header["type"] = msg.TYPE
     header["protocol"] = PROTOCOL_VERSION
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+    frames[0] = _pack(header)
     return frames
+
+
+# msgspec writes the same msgpack bytes as msgpack.packb(use_bin_type=True) (the golden bytes
+# pin it) in a quarter of the time
+_pack = msgspec.msgpack.Encoder().encode
 
 
 def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
     out = dict(obj.__dict__)  # the fields, in declaration order
     plan = _PLANS[type(obj)]
+    if plan.plain:  # nothing to convert (a CreditItem, most small messages)
+        return out
     for name in plan.floats:
         out[name] = float(out[name])
     for name, dtype in plan.arrays:
@@ -203,8 +236,8 @@ def _encode_obj(obj: Any, frames: list[Any]) -> dict[str, Any]:
         frames.append(payload(arr))
     for name in plan.msgs:
         items = out[name]
-        if items and type(items[0]) is Group:
-            out[name] = [encode_group(g, frames) for g in items]
+        if plan.nested[name] is Group:  # embedded whole: the header lists their frame counts
+            out[name] = [_embed(g, frames) for g in items]
         else:
             out[name] = [_encode_obj(item, frames) for item in items]
     for name, default in plan.omitted:
@@ -265,27 +298,43 @@ def decode(
         raise ProtocolError(
             "message", f"{total} bytes exceeds the limit of {max_message_bytes}", "too_large"
         )
+    return _decode_message(frames, bufs, check_values, "")
+
+
+def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
+                    prefix: str) -> Message:  # fmt: skip
+    """One whole message: a top-level one, or one embedded in another (`prefix` names where)."""
+    group = decode_group(bufs, values)  # the usual message, on its compiled fast path
+    if group is not None:
+        remember_frames(group, frames)
+        return group
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError("header", f"not a msgpack map ({type(exc).__name__})") from None
+        raise ProtocolError(
+            prefix + "header", f"not a msgpack map ({type(exc).__name__})"
+        ) from None
     if type(header) is not dict:
-        raise ProtocolError("header", f"must be a map, got {type(header).__name__}")
+        raise ProtocolError(prefix + "header", f"must be a map, got {type(header).__name__}")
     protocol = header.get("protocol")
     if type(protocol) is not int or protocol != PROTOCOL_VERSION:
         raise ProtocolError(
-            "protocol", f"version {protocol!r} is not {PROTOCOL_VERSION}", "protocol_mismatch"
+            prefix + "protocol",
+            f"version {protocol!r} is not {PROTOCOL_VERSION}",
+            "protocol_mismatch",
         )
     name = header.get("type")
     cls = _BY_NAME.get(name) if type(name) is str else None
-    if cls is None:
-        raise ProtocolError("type", f"unknown message type {name!r}")
+    if cls is None or (prefix and cls is not Group):  # only groups are embedded
+        raise ProtocolError(prefix + "type", f"unknown message type {name!r}")
     used: set[int] = set()
-    msg = decode_group(header, bufs, used, check_values) if cls is Group else None
-    if msg is None:
-        msg = _decode_obj(cls, header, bufs, used, "", check_values)
+    msg = _decode_obj(cls, header, bufs, used, prefix, values)
     if len(used) != len(bufs) - 1:
-        raise ProtocolError("frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced")
+        raise ProtocolError(
+            prefix + "frames", f"{len(bufs) - 1} array frames sent, {len(used)} referenced"
+        )
+    if cls is Group:
+        remember_frames(msg, frames)
     return msg
 
 
@@ -331,15 +380,34 @@ def _decode_msgs(nested: type, value: Any, bufs: list[memoryview], used: set[int
                  values: bool) -> tuple:  # fmt: skip
     if type(value) is not list:
         raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
+    if nested is Group:
+        return _decode_embedded(value, bufs, used, path, values)
     items = []
     for i, item in enumerate(value):
         if type(item) is not dict:
             raise ProtocolError(f"{path}[{i}]", "must be a map")
-        obj = decode_group(item, bufs, used, values) if nested is Group else None
-        if obj is None:
-            obj = _decode_obj(nested, item, bufs, used, f"{path}[{i}].", values)
-        items.append(obj)
+        items.append(_decode_obj(nested, item, bufs, used, f"{path}[{i}].", values))
     return tuple(items)
+
+
+def _decode_embedded(counts: list[Any], bufs: list[memoryview], used: set[int], path: str,
+                     values: bool) -> tuple[Group, ...]:  # fmt: skip
+    """Groups embedded whole: `counts[i]` frames each (header first), in order, right after
+    the frames the outer message's own fields took."""
+    pos, groups = len(used) + 1, []
+    for i, count in enumerate(counts):
+        if type(count) is not int or count < 1:
+            raise ProtocolError(f"{path}[{i}]", f"must be a frame count >= 1, got {count!r}")
+        end = pos + count
+        if end > len(bufs) or not used.isdisjoint(range(pos, end)):
+            raise ProtocolError(
+                f"{path}[{i}]", f"{count} frames from frame {pos}: not sent", "truncated"
+            )
+        frames = bufs[pos:end]
+        groups.append(_decode_message(frames, frames, values, f"{path}[{i}]."))
+        used.update(range(pos, end))
+        pos = end
+    return tuple(groups)
 
 
 def _decode_list(kind: int, value: Any, path: str) -> list[Any]:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.group_codec import decode_group
 from asyncrl.protocol import (
     _SPECS,
     FINISH_REASONS,
@@ -221,7 +222,7 @@ def _golden_messages() -> list[Any]:
     )
     item = CreditItem(credit_id=7, prompt_id="p1", prompt="sort 31", seed=42, info={"digits": "31"})
     return [
-        Hello(role="actor", client_id="a", protocol_version=1, config_hash="abcd", concurrency=4),
+        Hello(role="actor", client_id="a", protocol_version=2, config_hash="abcd", concurrency=4),
         Welcome(client_id="a", policy_version=3, heartbeat_interval_s=1.0, max_staleness=4),
         Credits(group_size=8, policy_version=3, items=(item,)),
         CreditReturn(credit_ids=[7, 8]),
@@ -293,15 +294,15 @@ GOLDEN = {
     "Hello": [
         (
             "87a4726f6c65a56163746f72a9636c69656e745f6964a161b070726f746f636f6c5f76657273696f"
-            "6e01ab636f6e6669675f68617368a461626364ab636f6e63757272656e637904a474797065a54865"
-            "6c6c6fa870726f746f636f6c01"
+            "6e02ab636f6e6669675f68617368a461626364ab636f6e63757272656e637904a474797065a54865"
+            "6c6c6fa870726f746f636f6c02"
         ),
     ],
     "Welcome": [
         (
             "86a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e03b46865617274626561745f"
             "696e74657276616c5f73cb3ff0000000000000ad6d61785f7374616c656e65737304a474797065a7"
-            "57656c636f6d65a870726f746f636f6c01"
+            "57656c636f6d65a870726f746f636f6c02"
         ),
     ],
     "Credits": [
@@ -309,11 +310,11 @@ GOLDEN = {
             "85aa67726f75705f73697a6508ae706f6c6963795f76657273696f6e03a56974656d739185a96372"
             "656469745f696407a970726f6d70745f6964a27031a670726f6d7074a7736f7274203331a4736565"
             "642aa4696e666f81a6646967697473a23331a474797065a743726564697473a870726f746f636f6c"
-            "01"
+            "02"
         ),
     ],
     "CreditReturn": [
-        ("83aa6372656469745f696473920708a474797065ac43726564697452657475726ea870726f746f636f6c01"),
+        ("83aa6372656469745f696473920708a474797065ac43726564697452657475726ea870726f746f636f6c02"),
     ],
     "Group": [
         (
@@ -326,97 +327,85 @@ GOLDEN = {
             "73735f6d61736b83a56474797065a575696e7438a573686170659102a56672616d6502b162656861"
             "76696f725f6c6f6770726f627383a56474797065a7666c6f61743332a573686170659102a5667261"
             "6d6503a86d6574616461746181a3656e76a4736f7274a774696d696e677381aa67656e6572617465"
-            "5f73cb3fd0000000000000a474797065a547726f7570a870726f746f636f6c01"
+            "5f73cb3fd0000000000000a474797065a547726f7570a870726f746f636f6c02"
         ),
         "0500000006000000070000000800000009000000",
         "0100",
         "000000bf00000000",
     ],
     "Ack": [
-        "84a373657101a96372656469745f696407a474797065a341636ba870726f746f636f6c01",
+        "84a373657101a96372656469745f696407a474797065a341636ba870726f746f636f6c02",
     ],
     "SampleRequest": [
         (
             "85aa726571756573745f696409ae706f6c6963795f76657273696f6e03aa6e756d5f67726f757073"
-            "02a474797065ad53616d706c6552657175657374a870726f746f636f6c01"
+            "02a474797065ad53616d706c6552657175657374a870726f746f636f6c02"
         ),
     ],
-    "Batch": [
+    "Batch": [  # its header, then the Group message embedded whole
         (
-            "87aa726571756573745f696409ae706f6c6963795f76657273696f6e03a667726f75707391de0012"
-            "a867726f75705f6964a3612f31a970726f6d70745f6964a27031a96372656469745f696407a86163"
-            "746f725f6964a161a373657101ae7472616a6563746f72795f69647391a5612f312f30a87365715f"
-            "6c656e739105ab70726f6d70745f6c656e739103a77265776172647391cb3ff0000000000000b36d"
-            "696e5f706f6c6963795f76657273696f6e739102b36d61785f706f6c6963795f76657273696f6e73"
-            "9103ae66696e6973685f726561736f6e7391a473746f70ad7265776172645f6661696c656491a0a6"
-            "746f6b656e7383a56474797065a5696e743332a573686170659105a56672616d6501a96c6f73735f"
-            "6d61736b83a56474797065a575696e7438a573686170659102a56672616d6502b16265686176696f"
-            "725f6c6f6770726f627383a56474797065a7666c6f61743332a573686170659102a56672616d6503"
-            "a86d6574616461746181a3656e76a4736f7274a774696d696e677381aa67656e65726174655f73cb"
-            "3fd0000000000000ad64726f707065645f7374616c6501a6776169745f73cb3fe0000000000000a4"
-            "74797065a54261746368a870726f746f636f6c01"
+            "87aa726571756573745f696409ae706f6c6963795f76657273696f6e03a667726f7570739104ad64"
+            "726f707065645f7374616c6501a6776169745f73cb3fe0000000000000a474797065a54261746368"
+            "a870726f746f636f6c02"
         ),
-        "0500000006000000070000000800000009000000",
-        "0100",
-        "000000bf00000000",
     ],
     "Version": [
-        "83ae706f6c6963795f76657273696f6e04a474797065a756657273696f6ea870726f746f636f6c01",
+        "83ae706f6c6963795f76657273696f6e04a474797065a756657273696f6ea870726f746f636f6c02",
     ],
     "Members": [
         (
             "84ae706f6c6963795f76657273696f6e04a96163746f725f69647392a161a162a474797065a74d65"
-            "6d62657273a870726f746f636f6c01"
+            "6d62657273a870726f746f636f6c02"
         ),
     ],
     "WeightsAnnounce": [
         (
             "85ae706f6c6963795f76657273696f6e04a9706c616e5f68617368a27068ac616e6e6f756e63656d"
             "656e7481a573746f7265b17463703a2f2f3132372e302e302e313a31a474797065af576569676874"
-            "73416e6e6f756e6365a870726f746f636f6c01"
+            "73416e6e6f756e6365a870726f746f636f6c02"
         ),
     ],
     "WeightsLoaded": [
         (
             "84a86163746f725f6964a161ae706f6c6963795f76657273696f6e04a474797065ad576569676874"
-            "734c6f61646564a870726f746f636f6c01"
+            "734c6f61646564a870726f746f636f6c02"
         ),
     ],
     "Heartbeat": [
         (
             "84a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e04a474797065a94865617274"
-            "62656174a870726f746f636f6c01"
+            "62656174a870726f746f636f6c02"
         ),
     ],
     "StatsRequest": [
-        "82a474797065ac537461747352657175657374a870726f746f636f6c01",
+        "82a474797065ac537461747352657175657374a870726f746f636f6c02",
     ],
     "Stats": [
         (
             "83a5737461747381af67726f7570735f726563656976656403a474797065a55374617473a870726f"
-            "746f636f6c01"
+            "746f636f6c02"
         ),
     ],
     "Error": [
         (
             "85a4636f6465ab6261645f6d657373616765a56669656c64a6746f6b656e73a664657461696cad6d"
-            "75737420626520696e743332a474797065a54572726f72a870726f746f636f6c01"
+            "75737420626520696e743332a474797065a54572726f72a870726f746f636f6c02"
         ),
     ],
     "Bye": [
         (
             "84a9636c69656e745f6964a161a6726561736f6ea4646f6e65a474797065a3427965a870726f746f"
-            "636f6c01"
+            "636f6c02"
         ),
     ],
-    "BatchAck": ["83aa726571756573745f696409a474797065a8426174636841636ba870726f746f636f6c01"],
+    "BatchAck": ["83aa726571756573745f696409a474797065a8426174636841636ba870726f746f636f6c02"],
     "StatusRequest": [
-        ("82a474797065ad53746174757352657175657374a870726f746f636f6c01"),
+        ("82a474797065ad53746174757352657175657374a870726f746f636f6c02"),
     ],
     "Status": [
         (
             "83a673746174757382ae706f6c6963795f76657273696f6e04a6706175736564a0a474797065a653"
-            "7461747573a870726f746f636f6c01"
+            "7461747573a870726f746f636f6c02"
         ),
     ],
     "AlarmRaised": [
@@ -424,13 +413,13 @@ GOLDEN = {
             "88a46e616d65a86b6c5f7370696b65a47374657009ae706f6c6963795f76657273696f6e09a76d65"
             "7373616765a96b6c207370696b6564a6616374696f6ea47761726ea865766964656e636582a57661"
             "6c7565cb4004000000000000a677696e646f77920108a474797065ab416c61726d526169736564a8"
-            "70726f746f636f6c01"
+            "70726f746f636f6c02"
         ),
     ],
     "Control": [
         (
             "84a6616374696f6ea57061757365a6726561736f6ea46c6f6f6ba474797065a7436f6e74726f6ca8"
-            "70726f746f636f6c01"
+            "70726f746f636f6c02"
         ),
     ],
     "EvalRequest": [
@@ -439,7 +428,7 @@ GOLDEN = {
             "745f696407a970726f6d70745f6964a27031a670726f6d7074a7736f7274203331a4736565642aa4"
             "696e666f81a6646967697473a23331ab6e756d5f73616d706c657302ab74656d7065726174757265"
             "cb0000000000000000ae6d61785f6e65775f746f6b656e7308ae706173735f7468726573686f6c64"
-            "cb3ff0000000000000a474797065ab4576616c52657175657374a870726f746f636f6c01"
+            "cb3ff0000000000000a474797065ab4576616c52657175657374a870726f746f636f6c02"
         ),
     ],
     "EvalResult": [
@@ -449,14 +438,14 @@ GOLDEN = {
             "686f6c64cb3ff0000000000000aa70726f6d70745f69647391a27031a77265776172647392cb3ff0"
             "000000000000cb3fe0000000000000a76c656e67746873920304ae66696e6973685f726561736f6e"
             "7392a473746f70a66c656e677468ad7265776172645f6661696c656492a0a0aa67656e6572617465"
-            "5f73cb3fc0000000000000a474797065aa4576616c526573756c74a870726f746f636f6c01"
+            "5f73cb3fc0000000000000a474797065aa4576616c526573756c74a870726f746f636f6c02"
         ),
     ],
     "ScoreRequest": [
         (
             "86aa726571756573745f696405a770726f6d70747391a333313aab636f6d706c6574696f6e7391a2"
             "3133a974696d656f75745f73cb4000000000000000a474797065ac53636f726552657175657374a8"
-            "70726f746f636f6c01"
+            "70726f746f636f6c02"
         ),
     ],
     "Scores": [
@@ -464,11 +453,12 @@ GOLDEN = {
             "88aa726571756573745f696405a673636f72657383a56474797065a7666c6f61743332a573686170"
             "659102a56672616d6501a96d6f64656c5f646972a2726daa6d6f64656c5f68617368a461623132a7"
             "71756575655f73cb3fd0000000000000a9636f6d707574655f73cb3fe0000000000000a474797065"
-            "a653636f726573a870726f746f636f6c01"
+            "a653636f726573a870726f746f636f6c02"
         ),
         "0000003f0000a0bf",
     ],
 }
+GOLDEN["Batch"] += GOLDEN["Group"]  # embedded: the very frames of the Group message
 
 # Messages with appended delivery fields set (at their defaults they stay off the wire, above).
 GOLDEN_DELIVERY = [
@@ -476,16 +466,16 @@ GOLDEN_DELIVERY = [
         Hello(
             role="learner",
             client_id="l",
-            protocol_version=1,
+            protocol_version=2,
             config_hash="abcd",
             batched_acks=True,
             session=12345,
             acks_batches=True,
         ),
         "8aa4726f6c65a76c6561726e6572a9636c69656e745f6964a16cb070726f746f636f6c5f76657273696f6e"
-        "01ab636f6e6669675f68617368a461626364ab636f6e63757272656e637900ac626174636865645f61636b"
+        "02ab636f6e6669675f68617368a461626364ab636f6e63757272656e637900ac626174636865645f61636b"
         "73c3a773657373696f6ecd3039ac61636b735f62617463686573c3a474797065a548656c6c6fa870726f74"
-        "6f636f6c01",
+        "6f636f6c02",
     ),
     (
         Welcome(
@@ -493,7 +483,7 @@ GOLDEN_DELIVERY = [
         ),
         "87a9636c69656e745f6964a161ae706f6c6963795f76657273696f6e03b46865617274626561745f696e74"
         "657276616c5f73cb3ff0000000000000ad6d61785f7374616c656e65737304a86e6578745f73657111a474"
-        "797065a757656c636f6d65a870726f746f636f6c01",
+        "797065a757656c636f6d65a870726f746f636f6c02",
     ),
 ]
 
@@ -642,8 +632,8 @@ def test_received_frames_are_forwarded_without_copies() -> None:
     batch = Batch(request_id=1, policy_version=0, groups=(decode(received),))
     frames = encode(batch)
     assert all(
-        out is got for out, got in zip(frames[1:], received[1:], strict=True)
-    )  # same objects
+        out is got for out, got in zip(frames[1:], received, strict=True)
+    )  # the very frames received, the group's header among them
     assert same(decode(wire(batch)), batch)
     partial = np.frombuffer(received[1].buffer[4:], np.int32)  # a view of part of a frame
     assert not isinstance(encode(dataclasses.replace(GROUP, tokens=partial, seq_lens=[4], prompt_lens=[3],
@@ -673,13 +663,24 @@ def test_appended_fields_stay_off_the_wire_at_their_default() -> None:
 
 def permuted(msg: Any) -> list[bytes]:
     """The message with its array frames in reverse order (references renumbered): valid, but
-    not the layout `encode` writes, so decoding takes the generic path."""
+    not the layout `encode` writes, so decoding takes the generic path. In a Batch, each
+    embedded group is permuted within its own frames."""
     frames = wire(msg)
+    h = msgpack.unpackb(frames[0])
+    if h["type"] == "Batch":
+        out, pos = [frames[0]], 1
+        for count in h["groups"]:
+            out += _reversed_arrays(frames[pos : pos + count])
+            pos += count
+        return out
+    return _reversed_arrays(frames)
+
+
+def _reversed_arrays(frames: list[bytes]) -> list[bytes]:
     k = len(frames) - 1
     h = msgpack.unpackb(frames[0])
-    for g in h.get("groups", [h]):
-        for name in ("tokens", "loss_mask", "behavior_logprobs"):
-            g[name]["frame"] = k + 1 - g[name]["frame"]
+    for name in ("tokens", "loss_mask", "behavior_logprobs"):
+        h[name]["frame"] = k + 1 - h[name]["frame"]
     return [msgpack.packb(h), *reversed(frames[1:])]
 
 
@@ -700,6 +701,28 @@ def test_fast_path_refuses_what_the_generic_path_refuses() -> None:
     assert rejected(edited(GROUP, timings={"t": math.nan})).field == "timings"
     assert rejected(edited(GROUP, prompt_lens=[6])).field == "prompt_lens"
     assert rejected(edited(GROUP, max_policy_versions=[1])).field == "min_policy_versions"
+
+
+def test_compiled_fast_path_takes_only_what_the_generic_path_takes() -> None:
+    """The fast path (msgspec, typed header) must never accept a header the generic path
+    (msgpack with strict map keys) refuses; it may hand odd but valid ones over."""
+    frames = wire(GROUP)
+    head = msgpack.unpackb(frames[0])
+
+    def fast(header: bytes) -> bool:
+        return decode_group([memoryview(header), *map(memoryview, frames[1:])], True) is not None
+
+    refused = [frames[0] + b"\x01", msgpack.packb({**head, "metadata": {1: 2}}),
+               msgpack.packb({**head, "metadata": {"a": {1: 2}}}),
+               msgpack.packb({**head, "unknown": {1: 2}})]  # fmt: skip
+    for header in refused:
+        assert not fast(header)
+        assert rejected([header, *frames[1:]]).field == "header"
+    bytes_key = msgpack.packb({**head, "timings": {b"t": 1.0}})
+    assert not fast(bytes_key) and decode([bytes_key, *frames[1:]]).timings == {b"t": 1.0}
+    later = msgpack.packb({**head, "later": 1})  # a field appended by a newer peer
+    assert not fast(later) and same(decode([later, *frames[1:]]), GROUP)
+    assert fast(frames[0]) and fast(msgpack.packb({**head, "timings": {"t": 1}}))
 
 
 def test_version_spans_must_describe_the_versions() -> None:
@@ -726,15 +749,38 @@ def test_version_spans_must_describe_the_versions() -> None:
     assert decode(edited(GROUP, rewards=[1])).rewards == [1.0]  # ints are numbers
 
 
+def test_embedded_groups_are_whole_messages_checked_as_such() -> None:
+    batch = GOLDEN_MESSAGES["Batch"]
+    frames = wire(batch)
+    group_head = msgpack.unpackb(frames[1])
+    two = [
+        msgpack.packb({**msgpack.unpackb(frames[0]), "groups": [4, 4]}),
+        *frames[1:],
+        *frames[1:],
+    ]
+    assert len(decode(two).groups) == 2
+    assert rejected(edited(batch, groups=[3])).field == "groups[0].behavior_logprobs"
+    assert rejected(edited(batch, groups=[5])).code == "truncated"
+    assert rejected([*frames, b"x"]).field == "frames"  # a frame nobody takes
+    assert rejected(edited(batch, groups=[0])).field == "groups[0]"
+    assert rejected(edited(batch, groups=[{"seq": 1}])).field == "groups[0]"
+    assert rejected(edited(batch, groups=4)).field == "groups"
+    for key, value, field in (("protocol", 1, "groups[0].protocol"), ("type", "Batch", "groups[0].type"),
+                              ("seq_lens", [9], "groups[0].tokens")):  # fmt: skip
+        head = msgpack.packb({**group_head, key: value})
+        assert rejected([frames[0], head, *frames[2:]]).field == field, key
+    assert rejected([frames[0], b"\xc1", *frames[2:]]).field == "groups[0].header"
+
+
 def test_batches_from_the_hub_skip_only_the_value_scan() -> None:
-    frames = wire(GOLDEN_MESSAGES["Batch"])
-    lp = np.frombuffer(frames[3], np.float32).copy()
+    frames = wire(GOLDEN_MESSAGES["Batch"])  # batch header, group header, its three arrays
+    lp = np.frombuffer(frames[4], np.float32).copy()
     lp[0] = math.nan
-    bad_values = [*frames[:3], lp.tobytes()]
+    bad_values = [*frames[:4], lp.tobytes()]
     assert rejected(bad_values).field == "groups[0].behavior_logprobs"
     assert math.isnan(decode(bad_values, check_values=False).groups[0].behavior_logprobs[0])
     with pytest.raises(ProtocolError) as info:
-        decode([*frames[:3], frames[3][:-1]], check_values=False)
+        decode([*frames[:4], frames[4][:-1]], check_values=False)
     assert info.value.field == "groups[0].behavior_logprobs"
 
 
@@ -772,5 +818,5 @@ GOLDEN_COMPONENTS_HEADER = (
     "666c6f61743332a573686170659102a56672616d6503a86d6574616461746181a3656e76a4736f7274a774"
     "696d696e677381aa67656e65726174655f73cb3fd0000000000000b17265776172645f636f6d706f6e656e"
     "747382a47461736b91cb3ff0000000000000a56a7564676591cb3fe0000000000000a474797065a547726f"
-    "7570a870726f746f636f6c01"
+    "7570a870726f746f636f6c02"
 )
