@@ -27,9 +27,7 @@ group arrays (see group_codec: for batches from the hub, which scanned them on a
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +83,7 @@ from asyncrl.messages import (
     Welcome,
     check_hello,
 )
+from asyncrl.wire_specs import BY_NAME, SPECS
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "ROLES",
@@ -95,72 +94,6 @@ __all__ = [
     "check_hello", "decode", "encode",
     "AlarmRaised", "Control", "EvalRequest", "EvalResult", "Status", "StatusRequest",
 ]  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# Field specs, computed once per class
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    kind: str  # int float str bool map ints floats strs array msgs
-    required: bool
-    default: Any
-    dtype: str = ""
-    ndim: int = 0
-    nested: type | None = None
-    omit: bool = False  # an appended field left off the wire at its default
-
-
-_SCALAR_KINDS = {int: "int", float: "float", str: "str", bool: "bool"}
-_LIST_KINDS = {int: "ints", float: "floats", str: "strs"}
-
-
-def _specs_of(cls: type) -> tuple[_Spec, ...]:
-    hints = typing.get_type_hints(cls)
-    specs = []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-        nested = None
-        if hint in _SCALAR_KINDS:
-            kind = _SCALAR_KINDS[hint]
-        elif hint is np.ndarray:
-            kind = "array"
-        elif origin is dict:
-            kind = "map"
-        elif origin is list and args[0] in _LIST_KINDS:
-            kind = _LIST_KINDS[args[0]]
-        elif origin is tuple and dataclasses.is_dataclass(args[0]):
-            kind, nested = "msgs", args[0]
-        else:
-            raise AssertionError(f"{cls.__name__}.{f.name}: unsupported wire type {hint!r}")
-        has_default = (
-            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        )
-        required = not has_default or kind == "array"
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory
-        specs.append(
-            _Spec(
-                f.name,
-                kind,
-                required,
-                default,
-                dtype=f.metadata.get("dtype", ""),
-                ndim=f.metadata.get("ndim", 0),
-                nested=nested,
-                omit=f.metadata.get("omit_default", False),
-            )
-        )
-    return tuple(specs)
-
-
-_SPECS: dict[type, tuple[_Spec, ...]] = {
-    cls: _specs_of(cls) for cls in (*MESSAGE_TYPES, CreditItem)
-}
-_BY_NAME: dict[str, type] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +114,7 @@ class _Plan:
 
 
 def _plan_of(cls: type) -> _Plan:
-    specs = _SPECS[cls]
+    specs = SPECS[cls]
     arrays = tuple((s.name, s.dtype) for s in specs if s.kind == "array")
     msgs = tuple(s.name for s in specs if s.kind == "msgs")
     # frames are numbered in field order; no message mixes array and nested-message fields,
@@ -205,7 +138,7 @@ def _embed(group: Group, frames: list[Any]) -> int:
     return len(own)
 
 
-_PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in _SPECS}
+_PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in SPECS}
 
 
 def encode(msg: Message) -> list[Any]:
@@ -263,7 +196,7 @@ _EXACT_TYPE = {_K_INT: int, _K_STR: str, _K_BOOL: bool, _K_MAP: dict}
 
 def _fields_of(cls: type) -> tuple[tuple[Any, ...], ...]:
     out = []
-    for s in _SPECS[cls]:
+    for s in SPECS[cls]:
         factory = callable(s.default) and not s.required
         itemsize = np.dtype(s.dtype).itemsize if s.dtype else 0
         out.append((s.name, _KIND_CODE[s.kind], s.required, factory, s.default, s.dtype, s.ndim,
@@ -271,7 +204,7 @@ def _fields_of(cls: type) -> tuple[tuple[Any, ...], ...]:
     return tuple(out)
 
 
-_FIELDS: dict[type, tuple[tuple[Any, ...], ...]] = {cls: _fields_of(cls) for cls in _SPECS}
+_FIELDS: dict[type, tuple[tuple[Any, ...], ...]] = {cls: _fields_of(cls) for cls in SPECS}
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -324,7 +257,7 @@ def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
             "protocol_mismatch",
         )
     name = header.get("type")
-    cls = _BY_NAME.get(name) if type(name) is str else None
+    cls = BY_NAME.get(name) if type(name) is str else None
     if cls is None or (prefix and cls is not Group):  # only groups are embedded
         raise ProtocolError(prefix + "type", f"unknown message type {name!r}")
     used: set[int] = set()

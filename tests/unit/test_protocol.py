@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from asyncrl.group_codec import decode_group
 from asyncrl.protocol import (
-    _SPECS,
     FINISH_REASONS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -52,6 +51,7 @@ from asyncrl.protocol import (
     decode,
     encode,
 )
+from asyncrl.wire_specs import SPECS
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -103,7 +103,7 @@ def builds(cls: type) -> st.SearchStrategy[Any]:
     if cls is Group:
         return groups()
     fields: dict[str, Any] = {}
-    for spec in _SPECS[cls]:
+    for spec in SPECS[cls]:
         if spec.kind == "msgs":
             fields[spec.name] = st.lists(builds(spec.nested), max_size=2).map(tuple)
         elif spec.kind == "array":  # Scores: one float32 per sample
