@@ -72,6 +72,10 @@ class RoleRunner:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def state(self) -> tuple[int, int | None]:
+        """(this Ray worker's pid, the role process's exit code or None while it runs)."""
+        return os.getpid(), self.proc.poll()
+
     def restart(self) -> int:
         """Start the role's process again (after it exited); returns the new pid."""
         self.restarts += 1
@@ -225,13 +229,15 @@ def start_learner(cfg: RunConfig, config_path: Path, endpoint: str, run_dir: Pat
 
 class Supervisor:
     """Watches the actors: restarts a crashed process (bounded, with backoff) and logs a lost
-    Ray worker, which Ray itself restarts (`launch.actor_max_restarts`)."""
+    Ray worker, which Ray itself restarts (`launch.actor_max_restarts`): seen either while it is
+    gone (its calls fail) or, when Ray brought it back between two checks, by its new pid."""
 
     def __init__(self, actors: dict[str, Any], max_restarts: int) -> None:
         self.actors, self.max_restarts = actors, max_restarts
         self.restarts = dict.fromkeys(actors, 0)
         self.next_try = dict.fromkeys(actors, 0.0)
         self.unavailable: set[str] = set()
+        self.workers: dict[str, int] = {}  # each actor's Ray worker pid at the last check
 
     def check(self) -> None:
         import ray
@@ -239,16 +245,21 @@ class Supervisor:
 
         for name, runner in self.actors.items():
             try:
-                code = ray.get(runner.poll.remote(), timeout=30)
+                worker, code = ray.get(runner.state.remote(), timeout=30)
             except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if name not in self.unavailable:
                     print(f"launch: {name}'s Ray worker is gone ({type(exc).__name__}); "
                           "Ray restarts it", flush=True)  # fmt: skip
                 self.unavailable.add(name)
                 continue
+            known = self.workers.get(name, worker)
+            self.workers[name] = worker
             if name in self.unavailable:
                 self.unavailable.discard(name)
                 print(f"launch: {name} is back (restarted by Ray)", flush=True)
+            elif worker != known:  # died and came back between two checks
+                print(f"launch: {name}'s Ray worker is gone (pid {known}); Ray restarted it "
+                      f"(pid {worker})", flush=True)  # fmt: skip
             if code is None or code == 0 or time.monotonic() < self.next_try[name]:
                 continue
             if self.restarts[name] >= self.max_restarts:
