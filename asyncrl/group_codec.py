@@ -38,8 +38,10 @@ the only per-byte work of a decode. `values=False` skips them, for groups that a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,38 +93,28 @@ class _Ref(msgspec.Struct, forbid_unknown_fields=True):
     frame: int
 
 
-class _Head(msgspec.Struct, forbid_unknown_fields=True):
-    """The header of a Group message, typed: what the compiled decoder checks while it parses
-    (types only; the rules between fields are checked after). Unknown keys go to the generic
-    path, which ignores them; `metadata` stays raw bytes until it is known to be non-empty."""
-
-    group_id: str
-    prompt_id: str
-    credit_id: int
-    actor_id: str
-    seq: int
-    trajectory_ids: list[str]
-    seq_lens: list[int]
-    prompt_lens: list[int]
-    rewards: list[float]
-    min_policy_versions: list[int]
-    max_policy_versions: list[int]
-    finish_reasons: list[str]
-    reward_failed: list[str]
-    tokens: _Ref
-    loss_mask: _Ref
-    behavior_logprobs: _Ref
-    metadata: msgspec.Raw = msgspec.Raw(_EMPTY_MAP)
-    timings: dict[str, float] = {}
-    num_turns: list[int] = []
-    tool_s: list[float] = []
-    env_s: list[float] = []
-    version_spans: list[int] = []
-    reward_components: dict[str, list[float]] = {}
-    type: str = ""
-    protocol: int = 0
+def _head_struct() -> type:
+    """The header of a Group message as a typed struct, derived from the `Group` dataclass
+    (its fields in order, arrays as `_Ref`, then `type` and `protocol`): what the compiled
+    decoder checks while it parses (types only; the rules between fields are checked after).
+    Unknown keys go to the generic path, which ignores them; `metadata` stays raw bytes until
+    it is known to be non-empty."""
+    hints = typing.get_type_hints(Group)
+    fields: list[tuple[Any, ...]] = []
+    for f in dataclasses.fields(Group):
+        hint = _Ref if hints[f.name] is np.ndarray else hints[f.name]
+        if f.name == "metadata":
+            fields.append((f.name, msgspec.Raw, msgspec.Raw(_EMPTY_MAP)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, hint, f.default_factory()))
+        else:
+            assert f.default is dataclasses.MISSING, f"Group.{f.name}: a plain default"
+            fields.append((f.name, hint))
+    fields += [("type", str, ""), ("protocol", int, 0)]
+    return msgspec.defstruct("GroupHead", fields, forbid_unknown_fields=True, kw_only=True)
 
 
+_Head = _head_struct()
 _HEAD = msgspec.msgpack.Decoder(_Head)
 _PARSE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
 
@@ -160,16 +152,11 @@ def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
     arrays = _arrays(h, num_tokens, num_tokens - sum(prompt_lens), bufs)
     if arrays is None or (values and not _values_ok(*arrays)):
         return None
-    g = object.__new__(Group)
-    g.__dict__.update(
-        group_id=h.group_id, prompt_id=h.prompt_id, credit_id=h.credit_id, actor_id=h.actor_id,
-        seq=h.seq, trajectory_ids=h.trajectory_ids, seq_lens=seq_lens, prompt_lens=prompt_lens,
-        rewards=h.rewards, min_policy_versions=lo, max_policy_versions=hi,
-        finish_reasons=h.finish_reasons, reward_failed=h.reward_failed, tokens=arrays[0],
-        loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=metadata, timings=h.timings,
-        num_turns=h.num_turns, tool_s=h.tool_s, env_s=h.env_s, version_spans=spans,
-        reward_components=h.reward_components,
-    )  # fmt: skip
+    fields = msgspec.structs.asdict(h)  # Group's fields in order, then type and protocol
+    del fields["type"], fields["protocol"]
+    fields.update(tokens=arrays[0], loss_mask=arrays[1], behavior_logprobs=arrays[2],
+                  metadata=metadata)  # fmt: skip
+    g = new_message(Group, fields)
     return g
 
 

@@ -21,8 +21,9 @@ Decoding validates everything and raises `ProtocolError` naming the field: the h
 field types, array dtypes and shapes, the consistency of a group's token arrays with its
 prompt lengths, finite floats, and the total size against the configured limit. Groups, the
 bulk of the traffic, take a compiled fast path first (asyncrl/group_codec.py) that accepts
-only what the generic path below accepts, and hands anything unusual to it. `decode(..., check_values=False)` skips scanning the values of
-group arrays (see group_codec: for batches from the hub, which scanned them on arrival).
+only what the generic path below accepts, and hands anything unusual to it.
+`decode(..., check_values=False)` skips scanning the values of group arrays (see group_codec:
+for batches from the hub, which scanned them on arrival).
 """
 
 from __future__ import annotations
