@@ -34,9 +34,10 @@ Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)):
   then the hub lends the batch's groups, and a new learner session (the process died) gets them
   back in replay. After a hub restart its last `BatchAck` is sent again with its `Version`.
 
-Trust: the hub checked every group's array values (token ids, masks, finite logprobs) when the
+Trust: the hub checked every group in full (array values, the rules between fields) when the
 group arrived, and a `Batch` forwards those very bytes, so messages from the hub are decoded
-with `check_values=False`: types, sizes and structure are still checked, values not rescanned.
+with `check_values=False`: types, list lengths and array sizes are still checked, the rest is
+not redone.
 """
 
 from __future__ import annotations

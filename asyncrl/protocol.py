@@ -22,8 +22,8 @@ field types, array dtypes and shapes, the consistency of a group's token arrays 
 prompt lengths, finite floats, and the total size against the configured limit. Groups, the
 bulk of the traffic, take a compiled fast path first (asyncrl/group_codec.py) that accepts
 only what the generic path below accepts, and hands anything unusual to it.
-`decode(..., check_values=False)` skips scanning the values of group arrays (see group_codec:
-for batches from the hub, which scanned them on arrival).
+`decode(..., check_values=False)` skips what the hub checked when a group arrived: the values
+of its arrays and the rules between its fields (see group_codec: for batches from the hub).
 """
 
 from __future__ import annotations
@@ -221,8 +221,9 @@ def decode(
 ) -> Message:
     """Frames -> message, validating everything. Raises `ProtocolError` naming the field.
 
-    `check_values=False` skips scanning the values of group arrays (sizes and structure are
-    still checked): for groups the hub has already checked, see asyncrl/group_codec.py.
+    `check_values=False` is for groups the hub has already checked (asyncrl/group_codec.py):
+    the values of their arrays are not scanned again, nor the rules between their fields;
+    types, list lengths and array sizes still are.
     """
     if not frames:
         raise ProtocolError("frames", "empty message")

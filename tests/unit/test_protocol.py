@@ -583,6 +583,31 @@ def test_non_finite_or_positive_logprobs(bad: float) -> None:
     assert rejected([*frames[:3], lp.tobytes()]).field == "behavior_logprobs"
 
 
+@pytest.mark.parametrize("length", [5, 40_000])  # below and above group_codec._ARG_BELOW
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("tokens", -1), ("loss_mask", 2), ("behavior_logprobs", math.nan),
+     ("behavior_logprobs", -math.inf), ("behavior_logprobs", math.inf)],
+)  # fmt: skip
+@pytest.mark.parametrize("where", [0, -1])
+def test_value_scans_find_a_bad_entry_anywhere_at_any_length(
+    length: int, field: str, bad: float, where: int
+) -> None:
+    """Small arrays are scanned with argmin/argmax, large ones with reductions: both refuse
+    the same entries, wherever they sit, and accept the clean group."""
+    arrays = {"tokens": np.arange(length, dtype=np.int32),
+              "loss_mask": np.ones(length - 1, np.uint8),
+              "behavior_logprobs": -np.linspace(0.0, 3.0, length - 1, dtype=np.float32)}  # fmt: skip
+    group = dataclasses.replace(GROUP, seq_lens=[length], prompt_lens=[1], **arrays)
+    assert isinstance(decode(encode(group)), Group)
+    bad_array = arrays[field].copy()
+    bad_array[where] = bad
+    bad_group = dataclasses.replace(group, **{field: bad_array})
+    frames = wire(bad_group)
+    assert decode_group([memoryview(f) for f in frames], True) is None
+    assert rejected(frames).field == field
+
+
 def test_non_finite_scalars() -> None:
     assert rejected(edited(GROUP, rewards=[math.nan])).field == "rewards"
     assert rejected(edited(GROUP, timings={"t": math.inf})).field == "timings"
