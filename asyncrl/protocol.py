@@ -227,7 +227,10 @@ def decode(
     """
     if not frames:
         raise ProtocolError("frames", "empty message")
-    bufs = [_buffer(f) for f in frames]
+    try:
+        bufs = [f.buffer for f in frames]  # received zmq.Frames: already memoryviews
+    except AttributeError:  # bytes, memoryviews, arrays: anything with the buffer protocol
+        bufs = [_buffer(f) for f in frames]
     total = sum([b.nbytes for b in bufs])
     if total > max_message_bytes:
         raise ProtocolError(
@@ -329,19 +332,25 @@ def _decode_embedded(counts: list[Any], bufs: list[memoryview], used: set[int], 
                      values: bool) -> tuple[Group, ...]:  # fmt: skip
     """Groups embedded whole: `counts[i]` frames each (header first), in order, right after
     the frames the outer message's own fields took."""
-    pos, groups = len(used) + 1, []
+    start = pos = len(used) + 1
+    groups, num_bufs, outer = [], len(bufs), bool(used)  # outer: frames the outer fields took
     for i, count in enumerate(counts):
         if type(count) is not int or count < 1:
             raise ProtocolError(f"{path}[{i}]", f"must be a frame count >= 1, got {count!r}")
         end = pos + count
-        if end > len(bufs) or not used.isdisjoint(range(pos, end)):
+        if end > num_bufs or (outer and not used.isdisjoint(range(pos, end))):
             raise ProtocolError(
                 f"{path}[{i}]", f"{count} frames from frame {pos}: not sent", "truncated"
             )
         frames = bufs[pos:end]
-        groups.append(_decode_message(frames, frames, values, f"{path}[{i}]."))
-        used.update(range(pos, end))
+        group = decode_group(frames, values)  # the fast path, without building the path name
+        if group is None:
+            group = _decode_message(frames, frames, values, f"{path}[{i}].")
+        else:
+            remember_frames(group, frames)
+        groups.append(group)
         pos = end
+    used.update(range(start, pos))
     return tuple(groups)
 
 
