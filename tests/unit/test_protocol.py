@@ -583,7 +583,7 @@ def test_non_finite_or_positive_logprobs(bad: float) -> None:
     assert rejected([*frames[:3], lp.tobytes()]).field == "behavior_logprobs"
 
 
-@pytest.mark.parametrize("length", [5, 40_000])  # below and above group_codec._ARG_BELOW
+@pytest.mark.parametrize("length", [5, 40_000])  # below and above group_codec._ARG_BELOW (floats)
 @pytest.mark.parametrize(
     ("field", "bad"),
     [("tokens", -1), ("loss_mask", 2), ("behavior_logprobs", math.nan),
