@@ -25,7 +25,8 @@ clock runs in this process from "go" to the last group received. Besides wall-cl
 variant reports the CPU time all its processes spent per group (user + system, ZeroMQ I/O
 threads and kernel included): on a shared machine that is the steadier number, and the hub's
 is split by process (actor, hub, learner). The load average is recorded with every
-repetition. Writes bench/results/transport.json.
+repetition, and so is the share of CPU time the host took from this virtual machine (steal).
+Writes bench/results/transport.json.
 
     python bench/transport.py [--reps 5] [--bytes-per-rep 268435456] [--sizes 32768,...]
 """
@@ -242,6 +243,18 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
     return elapsed, cpu_s
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (/proc/stat, all CPUs): user ... steal."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def steal_pct(before: list[int], after: list[int]) -> float:
+    """Share of the CPU time between two `cpu_ticks()` that a virtual machine's host took
+    (steal): a repetition that lost much of it measured the host, not asyncrl."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    return 100.0 * delta[7] / max(1, sum(delta))
+
+
 # --- setup, report --------------------------------------------------------------------------
 
 
@@ -308,22 +321,26 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     }
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
+    steals: list[float] = []  # % of the machine's CPU time the host took back, per repetition
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
+                ticks = cpu_ticks()
                 if name in hubs:
                     hub = hubs[name]
                     elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
                 else:
                     elapsed, cpu_s = run_raw(actual, count, relay=name == "raw_relay")
+                steal = steal_pct(ticks, cpu_ticks())
                 if rep:
                     times[name].append(elapsed)
                     cpus[name].append(cpu_s / count * 1e6)
                     loads.append(os.getloadavg()[0])
+                    steals.append(steal)
                 parts = hubs[name]["cpu_parts"][-1] if name in hubs else {}
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
                       f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
-                      f"load {os.getloadavg()[0]:4.2f} "
+                      f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
                       + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
     finally:
         for hub in hubs.values():
@@ -351,7 +368,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
         "raw_gbps_stats": spread(gbps["raw"]), "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
         "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
-        "loadavg_1min": spread(loads), "hub_overrides": overrides,
+        "loadavg_1min": spread(loads), "steal_pct": spread(steals), "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
         **{f"{name}_cpu_us_per_group_by_process": {
             k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
