@@ -797,16 +797,34 @@ def test_embedded_groups_are_whole_messages_checked_as_such() -> None:
     assert rejected([frames[0], b"\xc1", *frames[2:]]).field == "groups[0].header"
 
 
-def test_batches_from_the_hub_skip_only_the_value_scan() -> None:
+def trusted_refusal(frames: list[Any]) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, check_values=False)
+    return info.value.field
+
+
+def test_batches_from_the_hub_skip_only_what_the_hub_checked() -> None:
+    """Trusted decoding (a Batch from the hub) skips the value scans and the rules between
+    fields, which the hub ran on these bytes; types, list lengths and array sizes, what makes
+    a group safe to index, are still checked."""
     frames = wire(GOLDEN_MESSAGES["Batch"])  # batch header, group header, its three arrays
     lp = np.frombuffer(frames[4], np.float32).copy()
     lp[0] = math.nan
     bad_values = [*frames[:4], lp.tobytes()]
     assert rejected(bad_values).field == "groups[0].behavior_logprobs"
     assert math.isnan(decode(bad_values, check_values=False).groups[0].behavior_logprobs[0])
-    with pytest.raises(ProtocolError) as info:
-        decode([*frames[:4], frames[4][:-1]], check_values=False)
-    assert info.value.field == "groups[0].behavior_logprobs"
+    bad_rule = [frames[0], msgpack.packb({**msgpack.unpackb(frames[1]), "finish_reasons": ["x"]}),
+                *frames[2:]]  # fmt: skip
+    assert rejected(bad_rule).field == "groups[0].finish_reasons"
+    assert decode(bad_rule, check_values=False).groups[0].finish_reasons == ["x"]
+    assert trusted_refusal([*frames[:4], frames[4][:-1]]) == "groups[0].behavior_logprobs"
+    head = msgpack.unpackb(frames[1])
+    for key, value, field in (("rewards", [1.0, 2.0], "groups[0].rewards"),
+                              ("seq_lens", [9], "groups[0].tokens"),
+                              ("prompt_lens", ["a"], "groups[0].prompt_lens")):  # fmt: skip
+        assert (
+            trusted_refusal([frames[0], msgpack.packb({**head, key: value}), *frames[2:]]) == field
+        )
 
 
 def test_reward_components_ride_on_the_group_wire() -> None:
