@@ -208,11 +208,6 @@ def _fields_of(cls: type) -> tuple[tuple[Any, ...], ...]:
 _FIELDS: dict[type, tuple[tuple[Any, ...], ...]] = {cls: _fields_of(cls) for cls in SPECS}
 
 
-def _buffer(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", None)  # zmq.Frame: already a memoryview
-    return memoryview(frame) if buf is None else buf
-
-
 def decode(
     frames: Sequence[Any],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -230,7 +225,7 @@ def decode(
     try:
         bufs = [f.buffer for f in frames]  # received zmq.Frames: already memoryviews
     except AttributeError:  # bytes, memoryviews, arrays: anything with the buffer protocol
-        bufs = [_buffer(f) for f in frames]
+        bufs = [memoryview(getattr(f, "buffer", f)) for f in frames]
     total = sum([b.nbytes for b in bufs])
     if total > max_message_bytes:
         raise ProtocolError(
