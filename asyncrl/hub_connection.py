@@ -36,8 +36,7 @@ Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)):
 
 Trust: the hub checked every group in full (array values, the rules between fields) when the
 group arrived, and a `Batch` forwards those very bytes, so messages from the hub are decoded
-with `check_values=False`: types, list lengths and array sizes are still checked, the rest is
-not redone.
+with `check_values=False`: only types, list lengths and array sizes are checked again.
 """
 
 from __future__ import annotations

@@ -231,16 +231,18 @@ def decode(
         raise ProtocolError(
             "message", f"{total} bytes exceeds the limit of {max_message_bytes}", "too_large"
         )
-    return _decode_message(frames, bufs, check_values, "")
+    return _decode_message(frames, bufs, check_values)
 
 
-def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
-                    prefix: str) -> Message:  # fmt: skip
-    """One whole message: a top-level one, or one embedded in another (`prefix` names where)."""
+def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool, path: str = "",
+                    index: int = -1) -> Message:  # fmt: skip
+    """One whole message: a top-level one, or the `index`-th embedded in field `path` of
+    another (the prefix of its error fields is built only if the generic path needs it)."""
     group = decode_group(bufs, values)  # the usual message, on its compiled fast path
     if group is not None:
         remember_frames(group, frames)
         return group
+    prefix = f"{path}[{index}]." if index >= 0 else ""
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -338,12 +340,7 @@ def _decode_embedded(counts: list[Any], bufs: list[memoryview], used: set[int], 
                 f"{path}[{i}]", f"{count} frames from frame {pos}: not sent", "truncated"
             )
         frames = bufs[pos:end]
-        group = decode_group(frames, values)  # the fast path, without building the path name
-        if group is None:
-            group = _decode_message(frames, frames, values, f"{path}[{i}].")
-        else:
-            remember_frames(group, frames)
-        groups.append(group)
+        groups.append(_decode_message(frames, frames, values, path, i))
         pos = end
     used.update(range(start, pos))
     return tuple(groups)
