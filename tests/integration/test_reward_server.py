@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,15 @@ def patient(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[
     """A server whose partial batches wait a minute: batches run only when full."""
     proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
                          *sets(max_batch=8, max_wait_ms=60000, max_queue_samples=64))  # fmt: skip
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
+    """Batches of 16 samples only (a partial one waits a minute), and a queue of 16."""
+    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
+                         *sets(max_batch=16, max_wait_ms=60000, max_queue_samples=16))  # fmt: skip
     yield proc
     proc.kill()
 
@@ -277,14 +286,44 @@ def test_a_full_queue_answers_overloaded_and_the_client_retries(server: ServerPr
         assert before.server_stats()["samples_scored"] - scored_before == 8 * len(accepted)
     finally:
         before.close()
-    client = RewardModelClient(server.endpoint, timeout_s=WAIT_S, retries=100, backoff_s=0.01,
-                               max_backoff_s=0.05)  # fmt: skip
-    try:  # more in flight than the queue holds: overloaded attempts are retried until scored
-        futures = [client.submit(["3141:"] * 8, ["1134"] * 8) for _ in range(12)]
-        assert all(len(f.result().scores) == 8 for f in futures)
-        assert client.stats["retries"] > 0
-    finally:
-        client.close()
+
+
+def test_an_overloaded_client_retries_until_its_request_fits(held: ServerProcess) -> None:
+    """Deterministic: 15 of the queue's 16 samples are held waiting for a 16th, so the client's 8
+    must be refused; once it has retried, a 16th sample lets the batch run and the retry fits."""
+    client = RewardModelClient(held.endpoint, timeout_s=WAIT_S, retries=1000, backoff_s=0.01,
+                               max_backoff_s=0.02)  # fmt: skip
+    with dealer(held.endpoint) as raw:
+        try:
+            raw.send_multipart(encode(ScoreRequest(request_id=1, prompts=["3141:"] * 15,
+                                                   completions=["1134"] * 15)))  # fmt: skip
+            wait_for(lambda: client.server_stats()["queue_depth"] == 15)
+            future = client.submit(["3141:"] * 8, ["1134"] * 8)  # 15 + 8 > 16: overloaded
+            wait_for(lambda: client.stats["retries"] > 0)
+            assert not future.done()
+            raw.send_multipart(encode(ScoreRequest(request_id=2, prompts=["12:"],
+                                                   completions=["21"])))  # fmt: skip
+            first = sorted((reply(raw), reply(raw)), key=lambda r: r.request_id)
+            assert [(type(r), len(r.scores)) for r in first] == [(Scores, 15), (Scores, 1)]
+            # the client's retry now fits (8 of 16); 8 more samples fill the next batch
+            raw.send_multipart(encode(ScoreRequest(request_id=3, prompts=["9870:"] * 8,
+                                                   completions=["0789"] * 8)))  # fmt: skip
+            last = reply(raw)
+            assert isinstance(last, Scores) and last.request_id == 3, last
+            result = future.result(timeout=WAIT_S)
+            assert len(result.scores) == 8 and result.attempts >= 2
+            assert client.stats["retries"] == result.attempts - 1
+            errors = client.server_stats()["errors"]
+            assert errors.get("overloaded", 0) >= 1 and set(errors) == {"overloaded"}
+        finally:
+            client.close()
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 # --- timeouts, restarts, auth -------------------------------------------------------------------
