@@ -24,8 +24,10 @@ Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repe
 clock runs in this process from "go" to the last group received. Besides wall-clock rates, each
 variant reports the CPU time all its processes spent per group (user + system, ZeroMQ I/O
 threads and kernel included): on a shared machine that is the steadier number, and the hub's
-is split by process (actor, hub, learner). The load average is recorded with every
-repetition, and so is the share of CPU time the host took from this virtual machine (steal).
+is split by process (actor, hub, learner). `cpu_busy_share` is that CPU time over the wall
+time of all the machine's CPUs: near 1, a variant is bound by CPU time, not by one hop. The
+load average is recorded with every repetition, and so is the share of CPU time the host took
+from this virtual machine (steal).
 Writes bench/results/transport.json.
 
     python bench/transport.py [--reps 5] [--bytes-per-rep 268435456] [--sizes 32768,...]
@@ -144,8 +146,8 @@ def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready
     for _ in range(count):
         sock.send_multipart(frames, copy=False)
     sock.close(linger=-1)
+    ctx.term()  # returns once ZeroMQ's I/O thread has sent everything: its CPU time counts too
     cpu.put(time.process_time() - cpu_start)
-    ctx.term()
 
 
 def relay_main(front: str, back: str) -> None:
@@ -370,6 +372,9 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
         "loadavg_1min": spread(loads), "steal_pct": spread(steals), "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
+        "cpu_busy_share": {name: spread([c * count / 1e6 / t / (os.cpu_count() or 1)
+                                         for c, t in zip(cpus[name], times[name], strict=True)])
+                           for name in cpus},
         **{f"{name}_cpu_us_per_group_by_process": {
             k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
             for k in ("actor", "hub", "hub_loop", "learner")
