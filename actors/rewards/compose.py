@@ -10,8 +10,9 @@
   reward (any finite float)
 ```
 
-The rule comes from `[reward]` in the run config (asyncrl/config.py `RewardConfig`); its hash
-goes into every trajectory's provenance, so a reward can be traced to the rule that made it.
+The rule comes from `[reward]` in the run config (`RewardConfig`, asyncrl/config_rewards.py);
+its hash goes into every trajectory's provenance, so a reward can be traced to the rule that
+made it.
 """
 
 from __future__ import annotations
