@@ -2,47 +2,24 @@
 
 What travels is defined here; how (msgpack header + raw array frames) is asyncrl/protocol.py,
 which re-exports every name of this module (`from asyncrl.protocol import Group`). Fields are
-only appended, with defaults; one made with `_appended` stays off the wire at its default, so
-the bytes of every existing message stay as they were (golden bytes: tests/unit/test_protocol.py).
-A `Group` is columnar: token-level arrays concatenated over its trajectories, scalars as lists.
+only appended, with defaults; one made with `appended_field` stays off the wire at its default,
+so the bytes of every existing message stay as they were (golden bytes:
+tests/unit/test_protocol.py). `Group` and `Trajectory` live in asyncrl/group_messages.py, the
+protocol version, limits and `ProtocolError` in asyncrl/message_fields.py; both are
+importable from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
-
+from asyncrl.group_messages import Group as Group
+from asyncrl.group_messages import Trajectory as Trajectory
+from asyncrl.message_fields import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_MESSAGE_BYTES
+from asyncrl.message_fields import FINISH_REASONS as FINISH_REASONS
+from asyncrl.message_fields import PROTOCOL_VERSION, ROLES, ProtocolError, appended_field
 from asyncrl.score_messages import ScoreRequest, Scores
-
-PROTOCOL_VERSION = 2  # 2: a Batch embeds its groups as whole Group messages
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
-ROLES = ("actor", "learner", "client")
-
-
-class ProtocolError(Exception):
-    """A message that cannot be accepted; `field` names the offending part."""
-
-    def __init__(self, field: str, detail: str, code: str = "bad_message") -> None:
-        super().__init__(f"{field}: {detail}")
-        self.field = field
-        self.detail = detail
-        self.code = code
-
-
-def _array(dtype: str, ndim: int = 1) -> Any:
-    return field(metadata={"dtype": dtype, "ndim": ndim})
-
-
-def _appended(default: Any = None, *, factory: Any = None) -> Any:
-    """A field appended to an existing message: off the wire while it holds its default."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"omit_default": True})
-    return field(default=default, metadata={"omit_default": True})
-
 
 # --------------------------------------------------------------------------------------------
 # Messages
@@ -59,9 +36,11 @@ class Hello:
     protocol_version: int
     config_hash: str
     concurrency: int = 0  # groups an actor generates at once (its credit window)
-    batched_acks: bool = _appended(False)  # the client understands `Ack.seqs`
-    session: int = _appended(0)  # random per connection object; a new one = a restarted client
-    acks_batches: bool = _appended(False)  # a learner that sends BatchAck once it trained a batch
+    batched_acks: bool = appended_field(False)  # the client understands `Ack.seqs`
+    session: int = appended_field(0)  # random per connection object; a new one = a restarted client
+    acks_batches: bool = appended_field(
+        False
+    )  # a learner that sends BatchAck once it trained a batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +52,7 @@ class Welcome:
     policy_version: int
     heartbeat_interval_s: float
     max_staleness: int
-    next_seq: int = _appended(0)  # the lowest seq this hub has not taken from this client id
+    next_seq: int = appended_field(0)  # the lowest seq this hub has not taken from this client id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,188 +86,6 @@ class CreditReturn:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Trajectory:
-    """One sample of a group, as the actor builds it (not a wire message by itself)."""
-
-    tokens: np.ndarray  # int32 [L]: prompt + completion
-    prompt_len: int
-    loss_mask: np.ndarray  # uint8 [L - prompt_len]: 1 where the model produced the token
-    behavior_logprobs: np.ndarray  # float32 [L - prompt_len]: 0 where loss_mask is 0
-    reward: float
-    min_policy_version: int
-    max_policy_version: int
-    finish_reason: str
-    trajectory_id: str = ""
-    reward_failed: str = ""  # why the reward could not be computed ("" = it was)
-    num_turns: int = 1  # model turns of the episode
-    tool_s: float = 0.0  # seconds the episode spent in tool calls
-    env_s: float = 0.0  # seconds the episode spent in the environment (tools included)
-    version_spans: tuple[int, ...] = ()
-    """Flat (first completion token, policy version) pairs, one per version the trajectory
-    spans, in order; empty = not recorded: every token counts as `min_policy_version`'s (the
-    oldest, as the hub's bound does)."""
-
-    @property
-    def completion_tokens(self) -> np.ndarray:
-        return self.tokens[self.prompt_len :]
-
-    def token_versions(self) -> np.ndarray:
-        """int32 [L - prompt_len]: the policy version behind each completion token (tokens an
-        environment added carry the version of the model turn before them)."""
-        out = np.full(len(self.tokens) - self.prompt_len, self.min_policy_version, np.int32)
-        spans = self.version_spans
-        for i in range(0, len(spans), 2):
-            out[spans[i] :] = spans[i + 1]
-        return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class Group:
-    """All samples of one prompt, the unit of storage and sampling (columnar on the wire)."""
-
-    TYPE: ClassVar[str] = "Group"
-    group_id: str
-    prompt_id: str
-    credit_id: int
-    actor_id: str
-    seq: int  # per-actor monotonic, for dedup of resends
-    trajectory_ids: list[str]
-    seq_lens: list[int]  # L_i = prompt_len_i + completion_len_i
-    prompt_lens: list[int]
-    rewards: list[float]
-    min_policy_versions: list[int]
-    max_policy_versions: list[int]
-    finish_reasons: list[str]
-    reward_failed: list[str]
-    tokens: np.ndarray = _array("int32")  # concat over trajectories of L_i tokens
-    loss_mask: np.ndarray = _array("uint8")  # concat of completion masks
-    behavior_logprobs: np.ndarray = _array("float32")  # concat of completion logprobs
-    metadata: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    # per trajectory, or empty = not recorded (single-turn groups leave them off the wire)
-    num_turns: list[int] = _appended(factory=list)
-    tool_s: list[float] = _appended(factory=list)
-    env_s: list[float] = _appended(factory=list)
-    # trajectories made by several policy versions (in-flight updates, multi-turn episodes):
-    # flat (trajectory index, first completion token, version) triples; see Trajectory
-    version_spans: list[int] = _appended(factory=list)
-    # reward component name -> one value per trajectory (finite floats); {} = not recorded
-    reward_components: dict[str, list[float]] = _appended(factory=dict)
-
-    @property
-    def size(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def min_policy_version(self) -> int:
-        """The oldest policy that contributed a token: staleness is measured from it."""
-        return min(self.min_policy_versions)
-
-    @property
-    def max_policy_version(self) -> int:
-        return max(self.max_policy_versions)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens.nbytes + self.loss_mask.nbytes + self.behavior_logprobs.nbytes
-
-    def trajectories(self) -> list[Trajectory]:
-        """Per-sample views into the columnar arrays (no copies)."""
-        spans: dict[int, list[int]] = {}
-        flat = self.version_spans
-        for i in range(0, len(flat), 3):
-            spans.setdefault(flat[i], []).extend(flat[i + 1 : i + 3])
-        out: list[Trajectory] = []
-        tok = comp = 0
-        for i, (length, plen) in enumerate(zip(self.seq_lens, self.prompt_lens, strict=True)):
-            clen = length - plen
-            out.append(
-                Trajectory(
-                    tokens=self.tokens[tok : tok + length],
-                    prompt_len=plen,
-                    loss_mask=self.loss_mask[comp : comp + clen],
-                    behavior_logprobs=self.behavior_logprobs[comp : comp + clen],
-                    reward=self.rewards[i],
-                    min_policy_version=self.min_policy_versions[i],
-                    max_policy_version=self.max_policy_versions[i],
-                    finish_reason=self.finish_reasons[i],
-                    trajectory_id=self.trajectory_ids[i],
-                    reward_failed=self.reward_failed[i],
-                    num_turns=self.num_turns[i] if self.num_turns else 1,
-                    tool_s=self.tool_s[i] if self.tool_s else 0.0,
-                    env_s=self.env_s[i] if self.env_s else 0.0,
-                    version_spans=tuple(spans.get(i, ())),
-                )
-            )
-            tok += length
-            comp += clen
-        return out
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        group_id: str,
-        prompt_id: str,
-        credit_id: int,
-        actor_id: str,
-        seq: int,
-        trajectories: Sequence[Trajectory],
-        metadata: dict[str, Any] | None = None,
-        timings: dict[str, float] | None = None,
-        reward_components: dict[str, list[float]] | None = None,
-    ) -> Group:
-        """Concatenate per-sample trajectories into the columnar group."""
-        if not trajectories:
-            raise ValueError("a group needs at least one trajectory")
-        return cls(
-            group_id=group_id,
-            prompt_id=prompt_id,
-            credit_id=credit_id,
-            actor_id=actor_id,
-            seq=seq,
-            trajectory_ids=[
-                t.trajectory_id or f"{group_id}/{i}" for i, t in enumerate(trajectories)
-            ],
-            seq_lens=[int(t.tokens.shape[0]) for t in trajectories],
-            prompt_lens=[int(t.prompt_len) for t in trajectories],
-            rewards=[float(t.reward) for t in trajectories],
-            min_policy_versions=[int(t.min_policy_version) for t in trajectories],
-            max_policy_versions=[int(t.max_policy_version) for t in trajectories],
-            finish_reasons=[t.finish_reason for t in trajectories],
-            reward_failed=[t.reward_failed for t in trajectories],
-            tokens=np.concatenate([np.asarray(t.tokens, np.int32) for t in trajectories]),
-            loss_mask=np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in trajectories]),
-            behavior_logprobs=np.concatenate(
-                [np.asarray(t.behavior_logprobs, np.float32) for t in trajectories]
-            ),
-            metadata=dict(metadata or {}),
-            timings=dict(timings or {}),
-            **_episode_lists(trajectories),
-            version_spans=[
-                x
-                for i, t in enumerate(trajectories)
-                for j in range(0, len(t.version_spans), 2)
-                for x in (i, *t.version_spans[j : j + 2])
-            ],  # fmt: skip
-            reward_components={
-                k: [float(v) for v in vs] for k, vs in (reward_components or {}).items()
-            },
-        )
-
-
-def _episode_lists(trajectories: Sequence[Trajectory]) -> dict[str, list]:
-    """The per-trajectory episode fields, or none when every trajectory has the defaults."""
-    if all(t.num_turns == 1 and t.tool_s == 0.0 and t.env_s == 0.0 for t in trajectories):
-        return {}
-    return {
-        "num_turns": [int(t.num_turns) for t in trajectories],
-        "tool_s": [float(t.tool_s) for t in trajectories],
-        "env_s": [float(t.env_s) for t in trajectories],
-    }
-
-
-@dataclass(frozen=True, kw_only=True)
 class Ack:
     """The hub stored (or had already stored) the group with this per-actor `seq`, and the
     groups with the `seqs` (one Ack per burst, only to clients whose Hello set batched_acks)."""
@@ -296,7 +93,7 @@ class Ack:
     TYPE: ClassVar[str] = "Ack"
     seq: int
     credit_id: int = -1
-    seqs: list[int] = _appended(factory=list)
+    seqs: list[int] = appended_field(factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,7 +134,7 @@ class Members:
     policy_version: int
     actor_ids: list[str]
     # each actor's session (Hello.session), so a restarted actor under the same id shows up
-    sessions: list[int] = _appended(factory=list)
+    sessions: list[int] = appended_field(factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,7 +188,9 @@ class Error:
     code: str
     field: str
     detail: str
-    request_id: int = _appended(-1)  # the ScoreRequest refused (reward-model server); -1 = none
+    request_id: int = appended_field(
+        -1
+    )  # the ScoreRequest refused (reward-model server); -1 = none
 
 
 @dataclass(frozen=True, kw_only=True)
