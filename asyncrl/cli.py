@@ -1,7 +1,7 @@
 """The `asyncrl` command: one subcommand per process role, each loaded lazily.
 
     asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/server.py)
-    asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor.py)
+    asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor_main.py)
     asyncrl learner --config C --hub EP [--world N]       the learner (learner/main.py)
     asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (asyncrl/run.py)
     asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
@@ -26,7 +26,7 @@ import sys
 
 COMMANDS = {
     "replay": ("replay.server", "main"),
-    "actor": ("actors.actor", "main"),
+    "actor": ("actors.actor_main", "main"),
     "learner": ("learner.main", "main"),
     "run": ("asyncrl.run", "main"),
     "keygen": ("asyncrl.auth", "keygen_main"),

@@ -180,7 +180,7 @@ def bare_rep(engine: Any, cfg: Any, eos_id: int, prompts: list) -> tuple[float, 
 def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from actors.actor import build_engine
+    from actors.actor_main import build_engine
     from actors.envs.sort_task import write_dataset
     from asyncrl.config import load_config, to_toml
     from asyncrl.tiny_model import ensure_model

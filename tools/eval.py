@@ -97,7 +97,7 @@ def evaluate_checkpoint(cfg: RunConfig, ckpt: Path, run_dir: Path) -> dict[str, 
     """Generate and score the held-out prompts with the checkpoint's weights."""
     from transformers import AutoTokenizer
 
-    from actors.actor import build_engine
+    from actors.actor_main import build_engine
     from actors.envs.registry import env_factory
     from actors.episodes import EpisodeLimits
     from actors.evaluation import evaluate

@@ -27,12 +27,12 @@ EXTERNAL = {"asyncrl-keys", "asyncrl-models"}
 
 def parse_asyncrl(argv: list[str]) -> Any:
     """Parse `asyncrl SUB ARGS` with SUB's own parser (SystemExit fails the test)."""
-    from actors import actor
+    from actors import actor_main
     from learner import main as learner_main
     from replay import server
     from tools import launch
 
-    parsers = {"replay": server.parse_args, "actor": actor.parse_args,
+    parsers = {"replay": server.parse_args, "actor": actor_main.parse_args,
                "learner": learner_main.parse_args, "launch": launch.parse_args}  # fmt: skip
     assert argv[0] in parsers, f"unknown asyncrl subcommand in {argv}"
     return parsers[argv[0]](argv[1:])
