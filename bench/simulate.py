@@ -46,9 +46,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from bench.sim.calibrate import calibrate, load_points  # noqa: E402
+from bench.sim.calibrate import calibrate  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.model import SimConfig, simulate  # noqa: E402
+from bench.sim.points import load_points  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("samples_per_s", "tokens_per_s", "learner_idle_fraction", "actor_idle_fraction",

@@ -17,9 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.sim.calibrate import Calibration, LearnerFit, _point, sim_config_for  # noqa: E402
+from bench.sim.calibrate import Calibration, LearnerFit, sim_config_for  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.model import SimConfig, simulate  # noqa: E402
+from bench.sim.points import parse_point  # noqa: E402
 from bench.sim.timing import GenerationTime, LearnerTime, LengthModel, WeightSync  # noqa: E402
 
 B, GROUP_SIZE, TOKENS = 4, 2, 3
@@ -121,7 +122,7 @@ def test_calibration_point_takes_its_mode_and_removes_the_pauses() -> None:
         "config": {"actor": {"weight_update": "in_flight"}},
     }  # fmt: skip
     base = {"actor": {"concurrency": 4, "group_size": 16}, "learner": {"groups_per_step": 4}}
-    p = _point(base, raw, "test")
+    p = parse_point(base, raw, "test")
     assert p.cfg.actor.weight_update == "in_flight"
     assert p.generate_time_s == pytest.approx(0.05 - 4 * 0.05 / 10)
     cal = Calibration(

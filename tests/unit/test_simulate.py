@@ -29,10 +29,11 @@ from replay.buffer import ReplayBuffer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.sim.calibrate import calibrate, load_points, nnls  # noqa: E402
+from bench.sim.calibrate import calibrate, nnls  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.hub import FreeSlots  # noqa: E402
 from bench.sim.model import SimConfig, Simulation, SimulationStalled, simulate  # noqa: E402
+from bench.sim.points import load_points  # noqa: E402
 from bench.sim.timing import (  # noqa: E402
     GenerationTime,
     LearnerTime,
