@@ -14,10 +14,7 @@ at the end, so hand-computable cases (dyadic times) come out exact:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .model import SimConfig, SimResult
+from .config import SimConfig, SimResult
 
 
 class Tracker:
@@ -95,8 +92,6 @@ class Tracker:
             self.end, self.open = mark, False
 
     def result(self, cfg: SimConfig, sync_s: float) -> SimResult:
-        from .model import SimResult
-
         window = self.end["t"] - self.start["t"]
         assert window > 0 and self.steps == cfg.num_steps - cfg.warmup_steps
         consumed = sum(self.hist)
