@@ -1,4 +1,6 @@
-"""What every benchmark records besides its numbers: machine, library versions, commit, spread."""
+"""What every benchmark records besides its numbers: machine, library versions, commit, spread;
+and the machine measurements several take (CPU time of a process or thread, the host's steal,
+the disk's fsync'd bandwidth)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,3 +83,39 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def proc_cpu_s(pid: int, task: str = "") -> float:
+    """User + system CPU seconds of another process, or of its thread `task` (Linux /proc)."""
+    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (/proc/stat, all CPUs): user ... steal."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def steal_pct(before: list[int], after: list[int]) -> float:
+    """Share of the CPU time between two `cpu_ticks()` that a virtual machine's host took
+    (steal): a repetition that lost much of it measured the host, not asyncrl."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    return 100.0 * delta[7] / max(1, sum(delta))
+
+
+def disk_fsync_mbps(directory: Path, total_mib: int = 128) -> float:
+    """Sequential write bandwidth of the state directory's disk with an fsync every 1 MiB:
+    the ceiling of a durable hub that fsyncs every group commit."""
+    path = directory / "fsync-probe"
+    block = os.urandom(1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    start = time.perf_counter()
+    try:
+        for _ in range(total_mib):
+            os.write(fd, block)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return total_mib * (1 << 20) / (time.perf_counter() - start) / 1e6

@@ -59,7 +59,14 @@ from asyncrl.transport import HubConnection, keep_freed_buffers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_common import environment, spread  # noqa: E402
+from bench_common import (  # noqa: E402
+    cpu_ticks,
+    disk_fsync_mbps,
+    environment,
+    proc_cpu_s,
+    spread,
+    steal_pct,
+)
 
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64
@@ -159,13 +166,6 @@ def relay_main(front: str, back: str) -> None:
     zmq.proxy(pull, push)
 
 
-def proc_cpu_s(pid: int, task: str = "") -> float:
-    """User + system CPU seconds of another process, or of its thread `task` (Linux /proc)."""
-    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
 
 
@@ -245,39 +245,10 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
     return elapsed, cpu_s
 
 
-def cpu_ticks() -> list[int]:
-    """The machine's CPU time counters (/proc/stat, all CPUs): user ... steal."""
-    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-
-
-def steal_pct(before: list[int], after: list[int]) -> float:
-    """Share of the CPU time between two `cpu_ticks()` that a virtual machine's host took
-    (steal): a repetition that lost much of it measured the host, not asyncrl."""
-    delta = [b - a for a, b in zip(before, after, strict=True)]
-    return 100.0 * delta[7] / max(1, sum(delta))
-
-
 # --- setup, report --------------------------------------------------------------------------
 
 
 DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fsync="commit"']
-
-
-def disk_fsync_mbps(directory: Path, total_mib: int = 128) -> float:
-    """Sequential write bandwidth of the state directory's disk with an fsync every 1 MiB:
-    the ceiling of a durable hub that fsyncs every group commit."""
-    path = directory / "fsync-probe"
-    block = os.urandom(1 << 20)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    start = time.perf_counter()
-    try:
-        for _ in range(total_mib):
-            os.write(fd, block)
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-        path.unlink()
-    return total_mib * (1 << 20) / (time.perf_counter() - start) / 1e6
 
 
 def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subprocess.Popen, str]:
