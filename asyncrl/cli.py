@@ -1,6 +1,6 @@
 """The `asyncrl` command: one subcommand per process role, each loaded lazily.
 
-    asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/server.py)
+    asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/main.py)
     asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor_main.py)
     asyncrl learner --config C --hub EP [--world N]       the learner (learner/main.py)
     asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (asyncrl/run.py)
@@ -25,7 +25,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "replay": ("replay.server", "main"),
+    "replay": ("replay.main", "main"),
     "actor": ("actors.actor_main", "main"),
     "learner": ("learner.main", "main"),
     "run": ("asyncrl.run", "main"),

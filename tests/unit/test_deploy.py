@@ -29,10 +29,10 @@ def parse_asyncrl(argv: list[str]) -> Any:
     """Parse `asyncrl SUB ARGS` with SUB's own parser (SystemExit fails the test)."""
     from actors import actor_main
     from learner import main as learner_main
-    from replay import server
+    from replay import main as replay_main
     from tools import launch
 
-    parsers = {"replay": server.parse_args, "actor": actor_main.parse_args,
+    parsers = {"replay": replay_main.parse_args, "actor": actor_main.parse_args,
                "learner": learner_main.parse_args, "launch": launch.parse_args}  # fmt: skip
     assert argv[0] in parsers, f"unknown asyncrl subcommand in {argv}"
     return parsers[argv[0]](argv[1:])

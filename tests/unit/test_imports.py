@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["asyncrl.config", "asyncrl.protocol", "asyncrl.transport", "asyncrl.auth", "asyncrl.cli",
-           "replay.buffer", "replay.admission", "replay.prompts", "replay.server"]  # fmt: skip
+           "replay.buffer", "replay.admission", "replay.prompts", "replay.server", "replay.main"]  # fmt: skip
 
 PROBE = """
 import importlib, json, sys
@@ -36,7 +36,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "ray")))
 
 def test_ray_stays_optional() -> None:
     """Every process role and the launcher module itself import Ray only when launching."""
-    roles = ["asyncrl.run", "actors.actor_main", "learner.loop", "replay.server", "tools.launch"]
+    roles = ["asyncrl.run", "actors.actor_main", "learner.loop", "replay.main", "tools.launch"]
     out = subprocess.run([sys.executable, "-c", RAY_PROBE, *roles], cwd=REPO, capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
