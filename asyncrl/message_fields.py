@@ -25,6 +25,8 @@ class ProtocolError(Exception):
 
 
 def array_field(dtype: str, ndim: int = 1) -> Any:
+    """An array field: sent in a frame of its own, its dtype and number of dimensions checked on
+    decode."""
     return field(metadata={"dtype": dtype, "ndim": ndim})
 
 
