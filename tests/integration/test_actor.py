@@ -42,6 +42,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from wire_checks import wait_for
 
 from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
@@ -182,7 +183,9 @@ class System:
         try:
             self.learner = Learner(self.endpoint, self.cfg)
             # weights are announced to the actors connected at the time: wait for this one
-            wait_for(lambda: ACTOR_ID in self.learner.stats()["clients"], "the actor to connect")
+            wait_for(
+                lambda: ACTOR_ID in self.learner.stats()["clients"], "the actor to connect", WAIT_S
+            )
         except BaseException:
             end(self.actor, signal.SIGKILL)
             end(self.hub, signal.SIGKILL)
@@ -264,13 +267,6 @@ class System:
         end(self.hub, signal.SIGKILL)
 
 
-def wait_for(predicate: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module", params=["torch", pytest.param("vllm", marks=pytest.mark.slow)])
 def system(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -299,7 +295,7 @@ def test_published_weights_reach_later_groups(system: System) -> None:
     def loaded() -> bool:
         return system.learner.stats()["clients"][ACTOR_ID]["loaded_version"] == version
 
-    wait_for(loaded, f"the actor to load version {version}")
+    wait_for(loaded, f"the actor to load version {version}", WAIT_S)
     seen: list[int] = []
     while not seen or seen[-1] != version:  # FIFO: older groups first, then the new version
         seen += [g.min_policy_version for g in system.actor_groups(1)]
@@ -332,7 +328,9 @@ def test_sigterm_exits_zero_and_returns_unused_credits(system: System) -> None:
     assert rc == 0, (system.tmp / "actor.log").read_text()[-5000:]
     for group in drained:
         system.check(group)
-    wait_for(lambda: not system.learner.stats()["clients"][ACTOR_ID]["alive"], "the actor's Bye")
+    wait_for(
+        lambda: not system.learner.stats()["clients"][ACTOR_ID]["alive"], "the actor's Bye", WAIT_S
+    )
     stats = system.learner.stats()
     assert stats["clients"][ACTOR_ID]["why"] == "shutdown"
     assert stats["credits_outstanding"] == 0  # nothing left behind for the hub to expire

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from wire_checks import dealer, refused, reply
+from wire_checks import dealer, refused, reply, wait_for
 
 from actors.rewards.rm_client import RewardModelClient, RewardModelError
 from actors.rewards.rm_component import RewardModelComponent
@@ -297,9 +297,9 @@ def test_an_overloaded_client_retries_until_its_request_fits(held: ServerProcess
         try:
             raw.send_multipart(encode(ScoreRequest(request_id=1, prompts=["3141:"] * 15,
                                                    completions=["1134"] * 15)))  # fmt: skip
-            wait_for(lambda: client.server_stats()["queue_depth"] == 15)
+            wait_for(lambda: client.server_stats()["queue_depth"] == 15, "15 samples queued")
             future = client.submit(["3141:"] * 8, ["1134"] * 8)  # 15 + 8 > 16: overloaded
-            wait_for(lambda: client.stats["retries"] > 0)
+            wait_for(lambda: client.stats["retries"] > 0, "the client to retry")
             assert not future.done()
             raw.send_multipart(encode(ScoreRequest(request_id=2, prompts=["12:"],
                                                    completions=["21"])))  # fmt: skip
@@ -317,13 +317,6 @@ def test_an_overloaded_client_retries_until_its_request_fits(held: ServerProcess
             assert errors.get("overloaded", 0) >= 1 and set(errors) == {"overloaded"}
         finally:
             client.close()
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.01)
 
 
 # --- timeouts, restarts, auth -------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Raw-socket helpers for the tests that talk to a server (hub, reward-model server) directly."""
+"""Raw-socket helpers for the tests that talk to a server (hub, reward-model server) directly,
+and `wait_for`, a deadline on a condition such tests poll."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -39,3 +41,13 @@ def refused(sock: zmq.Socket, frames: list[Any]) -> Error:
     msg = reply(sock)
     assert isinstance(msg, Error), msg
     return msg
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S,
+             interval_s: float = 0.05) -> None:  # fmt: skip
+    """Poll `predicate` until it holds; fail naming `what` after `timeout_s` (a deadline, never
+    a speed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
