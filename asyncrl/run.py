@@ -10,6 +10,8 @@
   stop: the learner exits after learner.max_steps (or run.max_wall_s / Ctrl-C sends it SIGTERM;
   it checkpoints and hands its final weights to the actors), then actors, then the hub get
   SIGTERM (the reward server last), each by pid; anything still alive after a grace period is killed, by pid.
+  Each child runs in its own process group (a terminal's Ctrl-C reaches `asyncrl run` alone,
+  which stops them in this order) and gets SIGTERM if `asyncrl run` itself dies.
   crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
   with backoff; a run that cannot go on ends with one line saying why.
 ```
@@ -24,6 +26,7 @@ write-ahead log and snapshot).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -39,6 +42,9 @@ from typing import Any
 from asyncrl.config import RunConfig, load_config, to_toml
 from asyncrl.supervise import Supervisor
 
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal a child gets when its parent dies."""
+
 
 class Processes:
     """The child processes of a run, started and ended by pid."""
@@ -52,7 +58,11 @@ class Processes:
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child; a restart appends
         proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "asyncrl", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_detach_from_terminal(os.getpid()),
         )
         self.procs[name] = proc
         pids = {n: p.pid for n, p in self.procs.items()}
@@ -74,6 +84,23 @@ class Processes:
 
     def failed(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+
+
+def _detach_from_terminal(parent_pid: int) -> Callable[[], None]:
+    """What a child runs before exec: its own process group, so that a terminal's Ctrl-C (SIGINT
+    to the foreground group) reaches `asyncrl run` alone, which then stops the children in order
+    (the learner checkpoints and publishes to live actors before the actors and the hub go);
+    and SIGTERM when `asyncrl run` dies, so that no child outlives it."""
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent_pid:  # `asyncrl run` died before prctl took effect
+            os._exit(128 + signal.SIGTERM)
+
+    return setup
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:

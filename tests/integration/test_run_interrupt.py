@@ -25,16 +25,14 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
-def test_ctrl_c_stops_every_process(tmp_path: Path, how: str) -> None:
-    """Ctrl-C (SIGINT to the whole foreground group) and a scheduler's stop (SIGTERM to
-    `asyncrl run` alone) both stop every process by pid and leave a checkpoint."""
+def _start_run(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, dict[str, int]]:
+    """`asyncrl run` on the embedded default, in its own session (as a terminal gives a foreground
+    job its own process group), returned once the learner has made 3 steps."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
         "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
     ]  # fmt: skip
-    # A new session = its own process group, as a terminal gives a foreground job.
     proc = subprocess.Popen(
         cmd,
         cwd=tmp_path,
@@ -43,15 +41,38 @@ def test_ctrl_c_stops_every_process(tmp_path: Path, how: str) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
         while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "no learner steps within 240 s"
             time.sleep(0.5)
         pids = json.loads((run_dir / "pids.json").read_text())
-        assert set(pids) == {"hub", "actor-0", "learner"}
+    except BaseException:
+        proc.kill()
+        raise
+    assert set(pids) == {"hub", "actor-0", "learner"}
+    return proc, run_dir, pids
+
+
+def _logs(run_dir: Path) -> str:
+    """The children's logs (tails), for a failure message."""
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
+        for log in sorted(run_dir.glob("*.log"))
+    )
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_ctrl_c_stops_every_process_in_order(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the whole foreground group) and a scheduler's stop (SIGTERM to
+    `asyncrl run` alone) both stop every child by pid, in order: the learner checkpoints and
+    hands its final weights to the still-running actor before the actor and the hub stop, and
+    no child has to be killed. (The children run in their own process groups, so the terminal's
+    SIGINT reaches `asyncrl run` alone.)"""
+    proc, run_dir, pids = _start_run(tmp_path)
+    try:
         if how == "ctrl_c":
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         else:
@@ -66,5 +87,27 @@ def test_ctrl_c_stops_every_process(tmp_path: Path, how: str) -> None:
         assert not _alive(pid), f"{name} (pid {pid}) survived Ctrl-C"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] >= 3
+    assert summary["exit_codes"] == {"hub": 0, "actor-0": 0, "learner": 0}, _logs(run_dir)
     assert (run_dir / "reward.png").is_file()
-    assert (run_dir / "checkpoints" / "latest").is_file()  # the learner checkpointed on its way out
+    # the learner checkpointed on its way out ...
+    assert (run_dir / "checkpoints" / "latest").is_file(), _logs(run_dir)
+    # ... and the actor, still running then, loaded its final weights
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    actor = json.loads((run_dir / "actor-0.json").read_text())
+    assert learner["actors_loaded"] == {"actor-0": learner["policy_version"]}, _logs(run_dir)
+    assert actor["weights_digest"] == learner["weights_digest"], _logs(run_dir)
+
+
+def test_no_child_outlives_a_killed_run(tmp_path: Path) -> None:
+    """`asyncrl run` SIGKILLed (no chance to stop anyone): every child is told by the kernel
+    (SIGTERM on its parent's death) and exits by itself; nothing is orphaned."""
+    proc, run_dir, pids = _start_run(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 200  # the learner's graceful exit waits on weight broadcasts
+    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = {name: pid for name, pid in pids.items() if _alive(pid)}
+    for pid in alive.values():
+        os.kill(pid, signal.SIGKILL)  # by pid, so that a failure leaves nothing behind
+    assert not alive, f"outlived asyncrl run: {alive}\n{_logs(run_dir)}"
