@@ -10,8 +10,9 @@
   stop: the learner exits after learner.max_steps (or run.max_wall_s / Ctrl-C sends it SIGTERM;
   it checkpoints and hands its final weights to the actors), then actors, then the hub get
   SIGTERM (the reward server last), each by pid; anything still alive after a grace period is killed, by pid.
-  Each child runs in its own process group (a terminal's Ctrl-C reaches `asyncrl run` alone,
-  which stops them in this order) and gets SIGTERM if `asyncrl run` itself dies.
+  Each child runs in its own process group: a terminal's Ctrl-C reaches `asyncrl run` alone,
+  which stops them in this order (SIGTERM and SIGHUP to it do the same); a child gets SIGTERM
+  if `asyncrl run` itself dies.
   crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
   with backoff; a run that cannot go on ends with one line saying why.
 ```
@@ -403,6 +404,8 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.run.run_dir)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: the Ctrl-C path, by pid
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup keeps it ignored
+        signal.signal(signal.SIGHUP, _interrupt)  # the terminal closed: the same ordered stop
     try:
         summary = run(cfg, run_dir, quiet=args.quiet, resume=args.resume)
     except ValueError as exc:  # a setting that cannot work (the model, the task, the state)

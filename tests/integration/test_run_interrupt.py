@@ -64,10 +64,10 @@ def _logs(run_dir: Path) -> str:
     )
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm", "sighup"])
 def test_ctrl_c_stops_every_process_in_order(tmp_path: Path, how: str) -> None:
-    """Ctrl-C (SIGINT to the whole foreground group) and a scheduler's stop (SIGTERM to
-    `asyncrl run` alone) both stop every child by pid, in order: the learner checkpoints and
+    """Ctrl-C (SIGINT to the whole foreground group), a scheduler's stop (SIGTERM to
+    `asyncrl run` alone) and a closed terminal (SIGHUP) all stop every child by pid, in order: the learner checkpoints and
     hands its final weights to the still-running actor before the actor and the hub stop, and
     no child has to be killed. (The children run in their own process groups, so the terminal's
     SIGINT reaches `asyncrl run` alone.)"""
@@ -75,8 +75,8 @@ def test_ctrl_c_stops_every_process_in_order(tmp_path: Path, how: str) -> None:
     try:
         if how == "ctrl_c":
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        else:
-            proc.send_signal(signal.SIGTERM)  # the run process only: it must stop the rest
+        else:  # the run process only: it must stop the rest
+            proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
