@@ -91,12 +91,14 @@ def _detach_from_terminal(parent_pid: int) -> Callable[[], None]:
     """What a child runs before exec: its own process group, so that a terminal's Ctrl-C (SIGINT
     to the foreground group) reaches `asyncrl run` alone, which then stops the children in order
     (the learner checkpoints and publishes to live actors before the actors and the hub go);
-    and SIGTERM when `asyncrl run` dies, so that no child outlives it."""
+    and SIGTERM when `asyncrl run` dies, so that no child outlives it. (The kernel sends that
+    when the *thread* that started the child ends: children are started from the main thread.)
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
 
     def setup() -> None:
         os.setpgid(0, 0)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
         if os.getppid() != parent_pid:  # `asyncrl run` died before prctl took effect
             os._exit(128 + signal.SIGTERM)
