@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncrl.run import Processes
+    from asyncrl.processes import Processes
 
 BACKOFF_MAX_S = 30.0
 
 
 class Supervisor:
-    """Restarts crashed children of a `Processes` (asyncrl/run.py) by name."""
+    """Restarts crashed children of a `Processes` (asyncrl/processes.py) by name."""
 
     def __init__(
         self,
