@@ -19,6 +19,7 @@ from actors.actor import ACTOR_COUNTERS, Actor
 from actors.engines.base import Engine
 from actors.evaluation import ActorEvaluator
 from asyncrl.config import RunConfig, load_config
+from asyncrl.files import replace_text
 from asyncrl.metrics import start as start_metrics
 from asyncrl.transport import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
@@ -120,6 +121,4 @@ def write_status(path: Path, actor: Actor) -> None:
         "stats": actor.status_stats(),
         "round_generate_s": [round(s, 6) for s in actor.episodes.round_generate_s],
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(status, indent=1))
-    os.replace(tmp, path)  # a reader never sees half a file
+    replace_text(path, json.dumps(status, indent=1))

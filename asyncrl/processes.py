@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from asyncrl.files import replace_text
+
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal a child gets when its parent dies."""
 
@@ -37,7 +39,8 @@ class Processes:
         )
         self.procs[name] = proc
         pids = {n: p.pid for n, p in self.procs.items()}
-        (self.run_dir / "pids.json").write_text(json.dumps(pids))  # for operators and tests
+        # for operators and tests: a reader never sees it half-written
+        replace_text(self.run_dir / "pids.json", json.dumps(pids))
         return proc
 
     def stop(self, names: Sequence[str], grace_s: float) -> None:

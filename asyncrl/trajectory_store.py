@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.config import TrajectoriesConfig
+from asyncrl.files import replace_text
 from asyncrl.protocol import Group, Trajectory
 
 STORE_DIR = "trajectories"
@@ -133,10 +134,7 @@ class TrajectoryWriter:
             shards = sorted(self.root.glob("sample-*.npz"))
 
     def save_meta(self) -> None:
-        path = self.root / META_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.meta, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        replace_text(self.root / META_FILE, json.dumps(self.meta, indent=1, sort_keys=True))
 
 
 def shard_step(path: Path) -> int:

@@ -8,13 +8,13 @@ import argparse
 import gc
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import load_config
+from asyncrl.files import replace_text
 from asyncrl.metrics import start as start_metrics
 from asyncrl.transport import keep_freed_buffers
 from replay.server import Hub
@@ -58,10 +58,7 @@ def main(argv: Sequence[str]) -> int:
     if cfg.metrics.hub_port:
         hub.live = start_metrics("hub", "hub", cfg.metrics.hub_port, HUB_COUNTERS)
     if args.endpoint_file:
-        path = Path(args.endpoint_file)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(hub.endpoint + "\n")
-        os.replace(tmp, path)  # readers never see a half-written endpoint
+        replace_text(Path(args.endpoint_file), hub.endpoint + "\n")  # never half-written
     print(f"asyncrl replay: serving on {hub.endpoint}", flush=True)
     # The buffer holds many long-lived objects and each message makes short-lived ones that
     # form no cycles: default GC thresholds would rescan the buffer many times a second.

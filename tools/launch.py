@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig, load_config
+from asyncrl.files import replace_text
 
 
 class RoleRunner:
@@ -345,7 +346,7 @@ def _write_pids(run_dir: Path, runners: dict[str, Any]) -> None:
     import ray
 
     pids = dict(zip(runners, ray.get([r.pids.remote() for r in runners.values()]), strict=True))
-    (run_dir / "pids.json").write_text(json.dumps(pids))
+    replace_text(run_dir / "pids.json", json.dumps(pids))
 
 
 def _interrupt(signum: int, _frame: object) -> None:

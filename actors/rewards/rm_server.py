@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -49,6 +48,7 @@ from actors.rewards.rm_model import RewardModel
 from actors.rewards.score_queue import Overloaded, PendingRequest, Sample, ScoreQueue
 from asyncrl import auth
 from asyncrl.config import ReplayConfig, RewardModelConfig, load_config
+from asyncrl.files import replace_text
 from asyncrl.protocol import (
     Error,
     Message,
@@ -329,12 +329,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return list(args.set) + [f"reward_model.{k}={json.dumps(v)}" for k, v in flags.items() if v]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # readers never see half a file
-
-
 def main(argv: Sequence[str]) -> int:
     """`asyncrl reward-server`: load the model, bind, serve until SIGTERM."""
     args = parse_args(argv)
@@ -350,12 +344,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"asyncrl reward-server: {exc}", file=sys.stderr)
         return 2
     if args.endpoint_file:
-        write_atomic(Path(args.endpoint_file), server.endpoint + "\n")
+        replace_text(Path(args.endpoint_file), server.endpoint + "\n")
     print(f"asyncrl reward-server: serving {model.model_dir} ({model.model_hash}) on "
           f"{server.endpoint}, device {model.device}", flush=True)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve_forever()
     if args.stats_file:
-        write_atomic(Path(args.stats_file), json.dumps(server.snapshot(), indent=1))
+        replace_text(Path(args.stats_file), json.dumps(server.snapshot(), indent=1))
     return 0
