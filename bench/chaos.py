@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.run import read_metrics  # noqa: E402
 from bench.bench_common import REPO, environment, write_json  # noqa: E402
 
 ROLES = ("hub", "actor", "learner")
@@ -181,7 +182,7 @@ def audit(run_dir: Path) -> dict[str, Any]:
 
 
 def reward_curve(run_dir: Path, points: int = 60) -> list[list[float]]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir / "metrics.jsonl")  # a line torn by a learner's SIGKILL is skipped
     every = max(1, len(rows) // points)
     return [[round(r["time_s"], 1), r["step"], round(r["reward_mean"], 4)] for r in rows[::every]]
 

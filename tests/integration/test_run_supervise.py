@@ -14,17 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.run import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
 
 
 def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    return max(
-        (json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()), default=0
-    )
+    """The learner's last logged step: read while it writes (a line in progress is left for
+    later) and across its SIGKILL (a torn line is skipped), as `asyncrl run` reads it."""
+    return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
 
 
 @pytest.mark.slow
