@@ -23,9 +23,11 @@ the actor.
 Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repetition; the
 clock runs in this process from "go" to the last group received. Besides wall-clock rates, each
 variant reports the CPU time all its processes spent per group (user + system, ZeroMQ I/O
-threads and kernel included): on a shared machine that is the steadier number, and the hub's
-is split by process (actor, hub, learner). `cpu_busy_share` is that CPU time over the wall
-time of all the machine's CPUs: near 1, a variant is bound by CPU time, not by one hop. The
+threads and kernel included): on a shared machine that is the steadier number. It is split by
+process: actor, hub (hub_loop: its main thread), learner; sender, relay, receiver.
+`cpu_busy_share` is that CPU time over the wall time of all the machine's CPUs: near 1, a
+variant is bound by CPU time, not by one hop, and `relay_cpu_over_hub_cpu` is then the
+`ratio_vs_relay` that CPU time alone predicts. The
 load average is recorded with every repetition, and so is the share of CPU time the host took
 from this virtual machine (steal).
 Writes bench/results/transport.json.
@@ -206,7 +208,8 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     return elapsed, cpu_s
 
 
-def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
+def run_raw(group_bytes: int, count: int, relay: bool, cpu_parts: list[dict[str, float]]
+            ) -> tuple[float, float]:  # fmt: skip
     ctx = mp.get_context("spawn")
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
@@ -234,15 +237,16 @@ def run_raw(group_bytes: int, count: int, relay: bool) -> tuple[float, float]:
     for _ in range(count):
         pull.recv_multipart(copy=False)
     elapsed = time.perf_counter() - start
-    cpu_s = time.process_time() - own_cpu + cpu.get(timeout=120)
+    parts = {"sender": cpu.get(timeout=120), "receiver": time.process_time() - own_cpu}
     if helper is not None:
-        cpu_s += proc_cpu_s(helper.pid) - relay_cpu
+        parts["relay"] = proc_cpu_s(helper.pid) - relay_cpu
         helper.kill()
         helper.join()
     sender.join()
     pull.close(linger=0)
     zctx.term()
-    return elapsed, cpu_s
+    cpu_parts.append({k: v / count * 1e6 for k, v in parts.items()})
+    return elapsed, sum(parts.values())
 
 
 # --- setup, report --------------------------------------------------------------------------
@@ -295,6 +299,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
     steals: list[float] = []  # % of the machine's CPU time the host took back, per repetition
+    raw_parts: dict[str, list[dict[str, float]]] = {}  # CPU us per group by process, per rep
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
@@ -303,14 +308,15 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                     hub = hubs[name]
                     elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
                 else:
-                    elapsed, cpu_s = run_raw(actual, count, relay=name == "raw_relay")
+                    raw_parts.setdefault(name, [])
+                    elapsed, cpu_s = run_raw(actual, count, name == "raw_relay", raw_parts[name])
                 steal = steal_pct(ticks, cpu_ticks())
                 if rep:
                     times[name].append(elapsed)
                     cpus[name].append(cpu_s / count * 1e6)
                     loads.append(os.getloadavg()[0])
                     steals.append(steal)
-                parts = hubs[name]["cpu_parts"][-1] if name in hubs else {}
+                parts = (hubs[name]["cpu_parts"] if name in hubs else raw_parts[name])[-1]
                 print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
                       f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
                       f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
@@ -350,6 +356,12 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
             k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
             for k in ("actor", "hub", "hub_loop", "learner")
         } for name in ("hub", "hub_durable")},
+        **{f"{name}_cpu_us_per_group_by_process": {
+            k: spread([p[k] for p in raw_parts[name][1:]]) for k in raw_parts[name][0]
+        } for name in ("raw", "raw_relay")},
+        # the ratio CPU time alone predicts (both variants near cpu_busy_share 1): relay / hub
+        "relay_cpu_over_hub_cpu": statistics.median(
+            r / h for h, r in zip(cpus["hub"], cpus["raw_relay"], strict=True)),
     }  # fmt: skip
 
 
