@@ -378,12 +378,16 @@ class Learner:
         """Final checkpoint, final weights to every actor, and a summary for the run directory.
 
         The checkpoint comes first, so it is written whatever happens next; when stopping on a
-        signal (Ctrl-C reaches hub and actors too) the waits for the actors are kept short.
+        signal the waits for the actors are kept shorter (15 s at most), and the final
+        evaluation (when one is due) is waited for only on a normal finish.
         """
         self.checkpoint()
-        wait_s = self.cfg.weights.timeout_s if not self.stop_event.is_set() else 5.0
+        stopping = self.stop_event.is_set()
+        wait_s = (
+            self.cfg.weights.timeout_s if not stopping else min(self.cfg.weights.timeout_s, 15.0)
+        )
         self.publisher.wait(timeout=wait_s)
-        if not self.stop_event.is_set():
+        if not stopping:
             try:  # the actors alive now: one may have joined after the last publication
                 self.report_version()
             except TimeoutError as exc:
@@ -393,6 +397,10 @@ class Learner:
             self.publish()
             self.publisher.wait(timeout=wait_s)
         loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))
+        if self.obs is not None and not stopping:
+            self.obs.wait_final_eval(
+                self.policy_version, min(wait_actors_s, self.cfg.eval.timeout_s)
+            )
         return {
             "policy_version": self.policy_version,
             "step": self.step,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import json
 import queue
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,7 @@ class LearnerObserver:
         self.eval_rows: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self.num_alarms = 0
         self.last_eval: dict[str, Any] = {}
+        self.first_version = learner.policy_version  # after a resume: where this process began
         self.wandb = start_wandb(learner.cfg, run_dir)
         if learner.conn is not None:
             learner.conn.on(EvalResult, self.on_eval_result)
@@ -218,6 +220,24 @@ class LearnerObserver:
               flush=True)  # fmt: skip
         if self.wandb is not None:
             self.eval_rows.put(row)
+
+    def wait_final_eval(self, policy_version: int, timeout_s: float) -> bool:
+        """Wait (up to timeout_s) for the evaluation of the last version due at or before
+        `policy_version`: the hub asks for it once the run's final version is reached, so the
+        curve's last point is logged before the connection closes. True once it is in."""
+        cfg = self.learner.cfg.eval
+        final = policy_version - policy_version % cfg.every_versions if cfg.every_versions else -1
+        crossed = self.first_version < final or final == self.first_version == 0 and cfg.at_start
+        if not crossed:  # none due, or due before this process began (another one asked)
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.last_eval.get("requested_version", -1) < final:  # set on the connection thread
+            if time.monotonic() >= deadline or self.learner.stop_event.is_set():
+                print(f"learner: no evaluation of version {final} within {timeout_s:.0f} s; "
+                      "closing without it", flush=True)  # fmt: skip
+                return False
+            time.sleep(0.1)
+        return True
 
     def log_wandb(self, step: int, row: dict[str, Any]) -> None:
         numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}

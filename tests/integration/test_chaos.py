@@ -24,7 +24,7 @@ def bench(script: str, *args: str, timeout_s: float) -> subprocess.CompletedProc
 @pytest.mark.slow
 def test_chaos_short(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = bench("chaos.py", "--duration-s", "75", "--interval-s", "8", "--min-steps", "2",
+    proc = bench("chaos.py", "--duration-s", "100", "--interval-s", "8", "--min-steps", "2",
                  "--quiet-s", "10", "--seed", "3", "--run-dir", str(tmp_path),
                  "--model-cache", str(tmp_path / "models"), "--out", str(out), timeout_s=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -265,7 +265,7 @@ time.sleep(3600)
 
 def test_dead_actor_credits_are_reissued(tmp_path: Path, hubs: list) -> None:
     overrides = ["learner.groups_per_step=4", "replay.max_staleness=0",
-                 "replay.heartbeat_interval_s=0.2", "replay.heartbeat_timeout_s=1.0"]  # fmt: skip
+                 "replay.heartbeat_interval_s=0.2", "replay.heartbeat_timeout_s=3.0"]  # fmt: skip
     hub = HubProcess(tmp_path, overrides)
     hubs.append(hub)
     doomed = subprocess.Popen([sys.executable, "-c", DEAD_ACTOR, hub.endpoint, hub.config_hash],

@@ -115,7 +115,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     try:
         paused = wait_for_pause(run_dir, proc)
         frames = watch_frames(run_dir, 2)
-        resumed = asyncrl("status", str(run_dir), "--resume", timeout=60)
+        resumed = asyncrl("status", str(run_dir), "--resume", "--timeout", "30", timeout=60)
         assert resumed.returncode == 0, resumed.stderr
         code = proc.wait(timeout=400)
     finally:

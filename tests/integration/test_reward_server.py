@@ -268,7 +268,7 @@ def test_bad_requests_get_an_error_naming_the_field(
     assert isinstance(reply(raw), Scores)  # the same connection is still served
 
 
-def test_a_full_queue_answers_overloaded_and_the_client_retries(server: ServerProcess, raw: zmq.Socket) -> None:  # fmt: skip
+def test_a_full_queue_answers_overloaded_and_loses_no_accepted_request(server: ServerProcess, raw: zmq.Socket) -> None:  # fmt: skip
     before = RewardModelClient(server.endpoint, timeout_s=WAIT_S)
     scored_before = before.server_stats()["samples_scored"]
     num = 60  # 8 samples each against a queue of 16: far faster in than out
@@ -339,7 +339,8 @@ def test_a_client_with_no_server_times_out_after_its_retries() -> None:
 
 def test_the_client_retries_across_a_server_restart(tmp_path: Path, rm_dir: Path) -> None:
     first = ServerProcess(tmp_path, rm_dir, *sets(max_batch=8, max_wait_ms=60000))
-    client = RewardModelClient(first.endpoint, timeout_s=3.0, retries=10, backoff_s=0.1)
+    # 40 tries of 3 s: longer than the second server may take to start (60 s)
+    client = RewardModelClient(first.endpoint, timeout_s=3.0, retries=40, backoff_s=0.1)
     second = None
     try:
         assert client.server_stats()["requests"] == 0

@@ -208,10 +208,14 @@ def test_daemon_left_behind_is_gone_after_the_run(sandbox: Sandbox) -> None:
         f"        ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\n"
         "        time.sleep(600)\n"
         "    os._exit(0)\n"
-        "time.sleep(0.3)\n"
         "print('forked')\n"
-        "alive = [p for p in os.listdir('/proc') if p.isdigit() and\n"
-        f"         open('/proc/%s/comm' % p).read().strip() == '{marker}']\n"
+        "deadline = time.time() + 4\n"  # until the grandchild renamed itself (run limit: 5 s)
+        "while True:\n"
+        "    alive = [p for p in os.listdir('/proc') if p.isdigit() and\n"
+        f"             open('/proc/%s/comm' % p).read().strip() == '{marker}']\n"
+        "    if alive or time.time() > deadline:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
         "print(len(alive))\n"
     )
     result = sandbox.run(code)

@@ -91,7 +91,7 @@ def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> N
     from learner.reward_monitor import RewardMonitor
 
     learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
-                              step=0, live=None, stop_event=threading.Event())  # fmt: skip
+                              step=0, policy_version=0, live=None, stop_event=threading.Event())  # fmt: skip
     observer = LearnerObserver(learner)  # type: ignore[arg-type]
     monitor = RewardMonitor(RewardConfig(alarm_saturate_steps=2), tmp_path)
     traj = multi_turn_trajectory()
@@ -116,7 +116,7 @@ def test_outliers_are_judged_against_the_recent_steps(tmp_path: Path) -> None:
     from learner.observe import LearnerObserver
 
     learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
-                              step=0, live=None, stop_event=threading.Event())  # fmt: skip
+                              step=0, policy_version=0, live=None, stop_event=threading.Event())  # fmt: skip
     observer = LearnerObserver(learner)  # type: ignore[arg-type]
 
     def batch(rewards: list[float], completion: int = 4) -> SimpleNamespace:
@@ -142,3 +142,43 @@ def test_outliers_are_judged_against_the_recent_steps(tmp_path: Path) -> None:
     long = observer.outliers(batch([0.5, 0.4, 0.6, 0.5], completion=4 + int(z + 2)))
     assert {k.reason for k in long} == {"outlier:length"} and len(long) == 4
     assert observer.outliers(batch([0.5, 0.4, 0.6, 0.5], completion=1)) == []  # short: no
+
+
+@pytest.mark.parametrize(
+    ("settings", "first", "final", "waits_for"),
+    [
+        (["eval.every_versions=10"], 0, 40, 40),  # the run crossed 40: its evaluation is due
+        (["eval.every_versions=10"], 0, 47, 40),  # the last multiple reached
+        (["eval.every_versions=10"], 0, 7, 0),  # only the start was due (eval.at_start)
+        (["eval.every_versions=10", "eval.at_start=false"], 0, 7, None),  # none due
+        (["eval.every_versions=10"], 40, 47, None),  # resumed at 40: asked of an earlier process
+        (["eval.every_versions=0"], 0, 40, None),  # evaluation off
+    ],
+)
+def test_the_final_evaluation_is_waited_for_only_when_this_process_made_it_due(
+    tmp_path: Path, settings: list[str], first: int, final: int, waits_for: int | None
+) -> None:
+    import threading
+
+    from asyncrl.config import load_config
+    from learner.observe import LearnerObserver
+
+    learner = SimpleNamespace(cfg=load_config(None, settings), run_dir=tmp_path,
+                              model_dir=tmp_path, conn=None, step=0, policy_version=first,
+                              live=None, stop_event=threading.Event())  # fmt: skip
+    observer = LearnerObserver(learner)  # type: ignore[arg-type]
+    if waits_for is None:
+        assert observer.wait_final_eval(
+            final, timeout_s=60.0
+        )  # returns at once: nothing to wait for
+        return
+    observer.last_eval = {"requested_version": waits_for - 10}  # an older evaluation
+    assert not observer.wait_final_eval(final, timeout_s=0.3)  # times out, says so
+    arrived = threading.Timer(
+        0.2, lambda: setattr(observer, "last_eval", {"requested_version": waits_for})
+    )
+    arrived.start()  # as on the connection's thread
+    assert observer.wait_final_eval(final, timeout_s=60.0)
+    learner.stop_event.set()  # a stop signal ends the wait at once
+    observer.last_eval = {}
+    assert not observer.wait_final_eval(final, timeout_s=60.0)
