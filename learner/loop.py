@@ -398,9 +398,7 @@ class Learner:
             self.publisher.wait(timeout=wait_s)
         loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))
         if self.obs is not None and not stopping:
-            self.obs.wait_final_eval(
-                self.policy_version, min(wait_actors_s, self.cfg.eval.timeout_s)
-            )
+            self.obs.wait_final_eval(self.policy_version, self.cfg.eval.timeout_s)
         return {
             "policy_version": self.policy_version,
             "step": self.step,
