@@ -1,5 +1,6 @@
-"""Sockets: the hub's ROUTER (`bind_router`), the clients' DEALER (`connect_dealer`), and the
-multipart send/receive both sides use. The client connection itself, `HubConnection`, lives in
+"""Sockets: the hub's ROUTER (`bind_router`), the clients' DEALER (`connect_dealer`), the
+multipart send/receive both sides use, and where listening ports are picked when none is given
+(`listen_port_range`, `free_port`: below the kernel's ephemeral range). The client connection itself, `HubConnection`, lives in
 asyncrl/hub_connection.py and is re-exported here (`from asyncrl.transport import HubConnection`).
 
 Only this module and asyncrl/hub_connection.py create ZeroMQ sockets. Both sides set explicit
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import random
+import socket
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -111,10 +115,40 @@ def set_socket_options(
     sock.setsockopt(zmq.HEARTBEAT_TTL, 10 * ivl_ms)
 
 
+def listen_port_range() -> tuple[int, int]:
+    """[low, high) to pick a listening port from when none is given: below the kernel's
+    ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which bind(0) and outgoing
+    connections draw from. So no client connection takes a port picked here in the meantime,
+    and a client reconnecting to a restarted server on it cannot connect to itself (a TCP
+    self-connect on loopback holds the port and the restarted server cannot bind it)."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768  # Linux's default; other systems start theirs higher
+    return (10000, first) if first > 11000 else (49152, 65536)  # an unusually wide range
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, from `listen_port_range()`, for a process that binds it
+    later (torch.distributed's MASTER_PORT); the kernel's choice if none of 200 tries is free."""
+    low, high = listen_port_range()
+    for port in random.sample(range(low, high), min(200, high - low)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def bind_router(
     ctx: zmq.Context, endpoint: str, cfg: ReplayConfig, *, allow_insecure: bool = False
 ) -> tuple[zmq.Socket, str]:
-    """Bind the hub's ROUTER; returns it and the actual endpoint (port 0 = OS-chosen).
+    """Bind the hub's ROUTER; returns it and the actual endpoint (port 0: a free port from
+    `listen_port_range()`).
 
     With `cfg.auth_dir` the socket is a CURVE server; start `auth.start_authenticator` on `ctx`
     first so the allow-list applies.
@@ -133,7 +167,8 @@ def bind_router(
     try:
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             address = endpoint[: -len(":0")]
-            port = sock.bind_to_random_port(address)
+            low, high = listen_port_range()
+            port = sock.bind_to_random_port(address, min_port=low, max_port=high)
             endpoint = f"{address}:{port}"
         else:
             sock.bind(endpoint)

@@ -35,11 +35,11 @@ from bench_common import environment, spread  # noqa: E402
 from weights import ACTORS, SHAPE, wait_got, with_receivers  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
+from asyncrl.transport import free_port  # noqa: E402
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module  # noqa: E402
 from learner.parallel import (  # noqa: E402
     Op,
     Ranks,  # noqa: E402
-    free_port,
     recv_command,
     send_command,
     shard_model,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.protocol import Batch, decode, encode
+from asyncrl.transport import free_port
 
 
 class Op(IntEnum):
@@ -229,12 +229,6 @@ def all_reduce_stats(stats: dict[str, float], weight: float, world: int) -> dict
 
 
 # --- `asyncrl learner --world N`: N local ranks ------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def spawn_local(world: int, argv: Sequence[str]) -> int:

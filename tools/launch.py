@@ -66,7 +66,7 @@ class RoleRunner:
         return str(ray.util.get_node_ip_address())
 
     def free_port(self) -> int:
-        from learner.parallel import free_port
+        from asyncrl.transport import free_port
 
         return free_port(self.node_ip())
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.parallel import free_port
+from asyncrl.transport import free_port
 
 WORKER = Path(__file__).with_name("world_worker.py")
 TOLERANCE = 2e-5

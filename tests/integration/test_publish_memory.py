@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ModelConfig, TaskConfig
-from learner.parallel import free_port
+from asyncrl.transport import free_port
 
 WORKER = Path(__file__).with_name("publish_memory_worker.py")
 BUCKET_BYTES = 4 << 20
