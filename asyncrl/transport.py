@@ -1,7 +1,8 @@
 """Sockets: the hub's ROUTER (`bind_router`), the clients' DEALER (`connect_dealer`), the
 multipart send/receive both sides use, and where listening ports are picked when none is given
-(`listen_port_range`, `free_port`: below the kernel's ephemeral range). The client connection itself, `HubConnection`, lives in
-asyncrl/hub_connection.py and is re-exported here (`from asyncrl.transport import HubConnection`).
+(`listen_port_range`, `free_port`: below the kernel's ephemeral range). The client connection
+itself, `HubConnection`, lives in asyncrl/hub_connection.py and is re-exported here
+(`from asyncrl.transport import HubConnection`).
 
 Only this module and asyncrl/hub_connection.py create ZeroMQ sockets. Both sides set explicit
 high-water marks, `MAXMSGSIZE`, `LINGER` and ZMTP heartbeats; with `auth_dir` both sides use

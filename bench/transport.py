@@ -299,7 +299,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
     steals: list[float] = []  # % of the machine's CPU time the host took back, per repetition
-    raw_parts: dict[str, list[dict[str, float]]] = {}  # CPU us per group by process, per rep
+    # the raw variants' CPU us per group by process, per repetition (the hubs keep theirs)
+    raw_parts: dict[str, list[dict[str, float]]] = {n: [] for n in times if n not in hubs}
     try:
         for rep in range(args.reps + 1):  # rep 0 warms up
             for name in times:
@@ -308,7 +309,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                     hub = hubs[name]
                     elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
                 else:
-                    raw_parts.setdefault(name, [])
                     elapsed, cpu_s = run_raw(actual, count, name == "raw_relay", raw_parts[name])
                 steal = steal_pct(ticks, cpu_ticks())
                 if rep:
