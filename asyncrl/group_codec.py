@@ -35,7 +35,8 @@ The value rules (ids, masks, logprobs) scan the arrays: one or two scans per arr
 per-byte work of a decode. `values=False` is for bytes the hub checked when they arrived (groups
 inside a `Batch`, records read back from the hub's own log): the fast path then skips the value
 scans and the rules between fields, and still checks types, list lengths and array sizes, so a
-decoded group is always safe to index.
+decoded group is always safe to index (and the rules on single values, which parsing checks at
+no cost).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import sys
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -95,16 +97,29 @@ class _Ref(msgspec.Struct, forbid_unknown_fields=True):
     frame: int
 
 
+_NonNeg = typing.Annotated[int, msgspec.Meta(ge=0)]
+_Finite = typing.Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+_Reason = typing.Literal[FINISH_REASONS]  # type: ignore[valid-type]
+_CHECKED = {  # the rules on single values, checked while parsing (NaN fails both bounds)
+    "seq_lens": list[_NonNeg], "prompt_lens": list[_NonNeg], "rewards": list[_Finite],
+    "min_policy_versions": list[_NonNeg], "max_policy_versions": list[_NonNeg],
+    "finish_reasons": list[_Reason], "timings": dict[str, _Finite], "num_turns": list[_NonNeg],
+    "tool_s": list[_Finite], "env_s": list[_Finite],
+    "reward_components": dict[str, list[_Finite]],
+}  # fmt: skip
+
+
 def _head_struct() -> type:
     """The header of a Group message as a typed struct, derived from the `Group` dataclass
     (its fields in order, arrays as `_Ref`, then `type` and `protocol`): what the compiled
-    decoder checks while it parses (types only; the rules between fields are checked after).
-    Unknown keys go to the generic path, which ignores them; `metadata` stays raw bytes until
-    it is known to be non-empty."""
+    decoder checks while it parses: types, and the rules on single values (`_CHECKED`: counts
+    and versions >= 0, finite floats, known finish reasons); the rules between fields are
+    checked after. Unknown keys go to the generic path, which ignores them; `metadata` stays
+    raw bytes until it is known to be non-empty."""
     hints = typing.get_type_hints(Group)
     fields: list[tuple[Any, ...]] = []
     for f in dataclasses.fields(Group):
-        hint = _Ref if hints[f.name] is np.ndarray else hints[f.name]
+        hint = _Ref if hints[f.name] is np.ndarray else _CHECKED.get(f.name, hints[f.name])
         if f.name == "metadata":
             fields.append((f.name, msgspec.Raw, msgspec.Raw(_EMPTY_MAP)))
         elif f.default_factory is not dataclasses.MISSING:
@@ -153,16 +168,14 @@ def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
 
 
 def _rules_ok(h: _Head, n: int) -> bool:
-    """The rules between a group's fields (module docstring), on the fast path's terms."""
+    """The rules between a group's fields (module docstring) that parsing did not check."""
     seq_lens, prompt_lens, lo, hi = h.seq_lens, h.prompt_lens, h.min_policy_versions, h.max_policy_versions  # fmt: skip
-    if min(prompt_lens) < 0 or min(lo) < 0 or any(map(_lt, seq_lens, prompt_lens)):
+    if any(map(_lt, seq_lens, prompt_lens)) or any(map(_gt, lo, hi)):
         return False
-    if any(map(_gt, lo, hi)) or not _FINISH.issuperset(h.finish_reasons):
+    turns, tool_s, env_s, components = h.num_turns, h.tool_s, h.env_s, h.reward_components
+    if (turns and len(turns) != n) or (tool_s and len(tool_s) != n) or (env_s and len(env_s) != n):
         return False
-    # a sum is finite iff every term is (overflow aside, which the generic path sorts out)
-    if not (_isfinite(sum(h.rewards)) and _isfinite(sum(h.timings.values()))):
-        return False
-    if not _episode_ok(h, n) or not _components_ok(h.reward_components, n):
+    if components and not all(len(v) == n for v in components.values()):
         return False
     spans = h.version_spans  # only groups that record versions pay for the check
     return not (spans and spans_problem(spans, lo, hi, list(map(_sub, seq_lens, prompt_lens))))
@@ -177,20 +190,6 @@ def _metadata(raw: msgspec.Raw) -> dict[str, Any] | None:
     except Exception:  # msgpack raises several unrelated types on garbage
         return None
     return value if type(value) is dict else None
-
-
-def _episode_ok(h: _Head, n: int) -> bool:
-    """num_turns, tool_s, env_s: each empty or one entry per trajectory, in range."""
-    turns, tool_s, env_s = h.num_turns, h.tool_s, h.env_s
-    if (turns and (len(turns) != n or min(turns) < 0)) or (tool_s and len(tool_s) != n):
-        return False
-    if env_s and len(env_s) != n:
-        return False
-    return _isfinite(sum(tool_s)) and _isfinite(sum(env_s))
-
-
-def _components_ok(components: dict[str, list[float]], n: int) -> bool:
-    return all(len(v) == n and _isfinite(sum(v)) for v in components.values())
 
 
 def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: list[int]) -> str:
