@@ -813,16 +813,14 @@ def test_batches_from_the_hub_skip_only_what_the_hub_checked() -> None:
     bad_values = [*frames[:4], lp.tobytes()]
     assert rejected(bad_values).field == "groups[0].behavior_logprobs"
     assert math.isnan(decode(bad_values, check_values=False).groups[0].behavior_logprobs[0])
-    bad_rule = [frames[0], msgpack.packb({**msgpack.unpackb(frames[1]), "max_policy_versions": [1]}),
-                *frames[2:]]  # fmt: skip  (min_policy_versions is [2])
+    head = msgpack.unpackb(frames[1])  # its min_policy_versions: [2]
+    bad_rule = [frames[0], msgpack.packb({**head, "max_policy_versions": [1]}), *frames[2:]]
     assert rejected(bad_rule).field == "groups[0].min_policy_versions"
     assert decode(bad_rule, check_values=False).groups[0].max_policy_versions == [1]
     # the rules on single values cost nothing while parsing: checked either way
-    bad_reason = [frames[0], msgpack.packb({**msgpack.unpackb(frames[1]), "finish_reasons": ["x"]}),
-                  *frames[2:]]  # fmt: skip
+    bad_reason = [frames[0], msgpack.packb({**head, "finish_reasons": ["x"]}), *frames[2:]]
     assert rejected(bad_reason).field == trusted_refusal(bad_reason) == "groups[0].finish_reasons"
     assert trusted_refusal([*frames[:4], frames[4][:-1]]) == "groups[0].behavior_logprobs"
-    head = msgpack.unpackb(frames[1])
     for key, value, field in (("rewards", [1.0, 2.0], "groups[0].rewards"),
                               ("seq_lens", [9], "groups[0].tokens"),
                               ("prompt_lens", ["a"], "groups[0].prompt_lens")):  # fmt: skip
