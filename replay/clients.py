@@ -80,6 +80,16 @@ class Registry:
     def actors(self) -> list[Client]:
         return [c for c in self.by_identity.values() if c.role == "actor"]
 
+    def newest_actors(self) -> dict[str, Client]:
+        """Actor id -> its most recently heard-from connection (a restarted actor can have an
+        old one that has not expired yet)."""
+        newest: dict[str, Client] = {}
+        for actor in self.actors():
+            seen = newest.get(actor.client_id)
+            if seen is None or actor.last_seen >= seen.last_seen:
+                newest[actor.client_id] = actor
+        return newest
+
     def silent(self, now: float, timeout_s: float) -> list[Client]:
         """Clients not heard from for more than `timeout_s`."""
         return [c for c in self.by_identity.values() if now - c.last_seen > timeout_s]

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import ReplayConfig
 from asyncrl.protocol import Group, decode
 from replay.snapshot import (
     SnapshotJob,
@@ -295,3 +296,23 @@ class WriteAheadLog:
             group = decode(frames, 1 << 62, check_values=False)
             assert isinstance(group, Group)
             self.stored_at[group.actor_id, group.seq] = (start, end - start)
+
+
+def open_log(state: HubState, rc: ReplayConfig) -> tuple[WriteAheadLog, Recovery]:
+    """Durable mode at hub start: recover `state` from `rc.state_dir` (logged), then journal
+    every change to it from this process's first op (`begin`) on."""
+    if not rc.state_dir:
+        raise ValueError("replay.state_dir: durable mode needs a directory")
+    wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
+                        snapshot_log_bytes=rc.snapshot_log_bytes, background=True)  # fmt: skip
+    incarnation = state.credits.incarnation  # this process's, not the recovered one
+    found = wal.recover(state)
+    if found.ops or found.snapshot_groups:
+        log.info("recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
+                 "after the snapshot%s", rc.state_dir, len(state.buffer),
+                 sum(map(len, state.lent.values())), state.policy_version, found.ops,
+                 f"; skipped a bad tail ({found.reason})" if found.reason else "")  # fmt: skip
+    state.journal = wal.journal
+    state.begin(incarnation)
+    wal.commit()
+    return wal, found

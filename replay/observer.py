@@ -109,14 +109,26 @@ class HubObserver:
         self.paused = ""
 
     def tick(self, now: float) -> None:
-        """Once per loop turn: sample the rates (once a second) and hand out evaluations."""
+        """Once per loop turn: sample the rates and publish /metrics (once a second), and hand
+        out evaluations."""
         if not self.samples or now - self.samples[-1][0] >= 1.0:
+            self.publish_metrics()
             c = self.hub.counters
             self.samples.append((now, c["groups_received"], c["groups_consumed"],
                                  self.hub.policy_version))  # fmt: skip
             while now - self.samples[0][0] > RATE_WINDOW_S:
                 self.samples.popleft()
         self.schedule_eval(now)
+
+    def publish_metrics(self) -> None:
+        """Hand the live metrics endpoint (when on) a snapshot of the counters."""
+        live = self.hub.live
+        if live is None:
+            return
+        snapshot = self.stats()
+        clients = snapshot.pop("clients")
+        snapshot["clients_alive"] = sum(1 for c in clients.values() if c.get("alive"))
+        live.publish(snapshot)
 
     def schedule_eval(self, now: float) -> None:
         """Send the evaluation due (if any) to the actor holding the newest weights."""
@@ -152,7 +164,7 @@ class HubObserver:
 
     def summary(self) -> dict[str, Any]:
         """The live summary `Status` carries."""
-        hub, stats = self.hub, self.hub.stats()
+        hub, stats = self.hub, self.stats()
         clients = stats.pop("clients")
         for line in clients.values():
             if "loaded_version" in line and line.get("role") == "actor":
@@ -171,3 +183,36 @@ class HubObserver:
                      "results": ev.num_results, "resent": ev.num_resent,
                      "in_flight_version": in_flight, "last": ev.last},
         }  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges, as answered to `StatsRequest`."""
+        hub = self.hub
+        state = hub.state
+        clients = hub.clients.describe(state.credits.held_by, time.monotonic())
+        book, prompts = state.credits, state.prompts
+        lent = sum(map(len, state.lent.values()))
+        return {
+            **{k: state.counters[k] for k in COUNTED}, "sends_dropped": hub.outbox.dropped,
+            "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
+            "credits_expired": book.num_expired, "credits_returned": book.num_returned,
+            "policy_version": hub.policy_version, "stored": len(hub.buffer),
+            "parked_requests": len(hub.parked), "errors": dict(hub.errors), "clients": clients,
+            "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
+            "groups_lent": lent, "durability": self.durability(),
+            "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
+        }  # fmt: skip
+
+    def durability(self) -> dict[str, Any]:
+        wal, found = self.hub.wal, self.hub.recovery
+        if wal is None:
+            return {"mode": "volatile"}
+        return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
+                "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
+                "recovered_snapshot_groups": found.snapshot_groups,
+                "recovery_skipped_bytes": found.skipped_bytes}  # fmt: skip
+
+
+COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
+           "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
+           "weights_announced")  # fmt: skip
+"""The hub's counters that `stats()` reports (besides gauges)."""

@@ -16,7 +16,8 @@
 
 Back-pressure: actors generate only with credits, and credits are issued only while
 `replay.admission` allows (the learner's version moves the window; an actor's share is bounded
-by the window at the weights it holds, from WeightsLoaded), so a slow learner makes actors wait instead of producing groups that would go stale; the learner waits (its request is
+by the window at the weights it holds, from WeightsLoaded), so a slow learner makes actors
+wait instead of producing groups that would go stale; the learner waits (its request is
 parked) while too few fresh groups exist. Sends never block the loop: a peer whose pipe is full
 gets a backlog, flushed as it drains. Groups are forwarded to the learner without copying their
 arrays (the received frames themselves go out again).
@@ -48,7 +49,7 @@ from typing import Any
 import zmq
 
 from asyncrl import auth
-from asyncrl.config import ReplayConfig, RunConfig
+from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import (
     Batch,
@@ -79,7 +80,7 @@ from replay import observer
 from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
-from replay.durability import Recovery, WriteAheadLog
+from replay.durability import Recovery, WriteAheadLog, open_log
 from replay.prompts import PromptSource, load_dataset
 from replay.state import HubState
 
@@ -107,7 +108,6 @@ class Hub:
         self.max_message_bytes = rc.max_message_bytes
         self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
-        self.next_metrics = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
         self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
         self.wal: WriteAheadLog | None = None
@@ -115,8 +115,10 @@ class Hub:
         self.gated: collections.deque[tuple[int, bytes, Message]] = collections.deque()
         self.recovery = Recovery()
         self.orphans_at = 0.0  # when credits of clients that did not come back expire
-        if rc.durability == "durable":
-            self.open_state(rc)
+        if rc.durability == "durable":  # recover from rc.state_dir, then log every change
+            self.wal, self.recovery = open_log(self.state, rc)
+            if self.recovery.ops or self.recovery.snapshot_groups:  # holders may come back
+                self.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
         self.running = True
         self.handlers = {
             Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
@@ -125,27 +127,6 @@ class Hub:
             StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
         }  # fmt: skip
         self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
-
-    def open_state(self, rc: ReplayConfig) -> None:
-        """Durable mode: recover the state from `rc.state_dir`, then log every change to it."""
-        if not rc.state_dir:
-            raise ValueError("replay.state_dir: durable mode needs a directory")
-        wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
-                            snapshot_log_bytes=rc.snapshot_log_bytes, background=True)  # fmt: skip
-        incarnation = self.state.credits.incarnation  # this process's, not the recovered one
-        found = wal.recover(self.state)
-        if found.ops or found.snapshot_groups:
-            self.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
-            state = self.state
-            log.info("recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
-                     "after the snapshot%s", rc.state_dir, len(state.buffer),
-                     sum(map(len, state.lent.values())), state.policy_version, found.ops,
-                     f"; skipped a bad tail ({found.reason})" if found.reason else "")  # fmt: skip
-        self.recovery = found
-        self.wal = wal
-        self.state.journal = wal.journal
-        self.state.begin(incarnation)
-        wal.commit()
 
     @property
     def policy_version(self) -> int:
@@ -184,20 +165,9 @@ class Hub:
                 self.grant_credits()  # refill actors' credit windows, one message each
                 self.serve_parked()  # answer the sample requests that can be answered now
                 self.commit()  # durable: the turn's records on disk, then its acks and batches
-                self.publish_metrics(time.monotonic())  # a snapshot for /metrics, once a second
-                self.obs.tick(time.monotonic())  # rates for status; evaluations due
+                self.obs.tick(time.monotonic())  # rates, /metrics once a second; evaluations due
         finally:
             self.close()
-
-    def publish_metrics(self, now: float) -> None:
-        """Hand the live metrics endpoint (when on) a snapshot of the counters, once a second."""
-        if self.live is None or now < self.next_metrics:
-            return
-        self.next_metrics = now + 1.0
-        snapshot = self.stats()
-        clients = snapshot.pop("clients")
-        snapshot["clients_alive"] = sum(1 for c in clients.values() if c.get("alive"))
-        self.live.publish(snapshot)
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from signal handlers and other threads)."""
@@ -307,11 +277,7 @@ class Hub:
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
         self.state.adopt_version(msg.policy_version, rewind=True)
-        newest: dict[str, Client] = {}  # an actor restarted under its id: its newest session
-        for actor in self.clients.actors():
-            seen = newest.get(actor.client_id)
-            if seen is None or actor.last_seen >= seen.last_seen:
-                newest[actor.client_id] = actor
+        newest = self.clients.newest_actors()  # an actor restarted under its id: its new session
         ids = sorted(newest)
         self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=ids,
                                            sessions=[newest[i].session for i in ids]))  # fmt: skip
@@ -427,33 +393,6 @@ class Hub:
         if self.wal.due_for_snapshot():
             self.wal.snapshot(self.state)
 
-    def durability_stats(self) -> dict[str, Any]:
-        wal, found = self.wal, self.recovery
-        if wal is None:
-            return {"mode": "volatile"}
-        return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
-                "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
-                "recovered_snapshot_groups": found.snapshot_groups,
-                "recovery_skipped_bytes": found.skipped_bytes}  # fmt: skip
-
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges, as answered to `StatsRequest`."""
-        state = self.state
-        clients = self.clients.describe(state.credits.held_by, time.monotonic())
-        book, prompts = state.credits, state.prompts
-        lent = sum(map(len, state.lent.values()))
-        return {
-            **{k: self.counters[k] for k in COUNTED}, "sends_dropped": self.outbox.dropped,
-            "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
-            "credits_expired": book.num_expired, "credits_returned": book.num_returned,
-            "policy_version": self.policy_version, "stored": len(self.buffer),
-            "parked_requests": len(self.parked), "errors": dict(self.errors), "clients": clients,
-            "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
-            "groups_lent": lent, "durability": self.durability_stats(),
-            "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
-        }  # fmt: skip
-
-
-COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-           "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
-           "weights_announced")  # fmt: skip
+        """Counters and gauges, as answered to `StatsRequest` (replay/observer.py)."""
+        return self.obs.stats()
