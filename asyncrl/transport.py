@@ -34,8 +34,9 @@ LINGER_MS = 1000
 
 # plain ints: pyzmq's flag enums cost an enum construction per `|` on the per-message path
 NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-# the compiled send itself: zmq.Socket.send only adds DRAFT routing_id/group handling on top
-_send = zmq.backend.Socket.send
+# the compiled send and recv themselves, called with positional arguments (keywords cost a
+# parse per frame): zmq.Socket.send only adds DRAFT routing_id/group handling on top
+_send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
 
 
 def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
@@ -46,16 +47,16 @@ def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
     """
     more = flags | SNDMORE
     for part in parts[:-1]:
-        _send(sock, part, more, copy=False)
-    _send(sock, parts[-1], flags, copy=False)
+        _send(sock, part, more, False)  # copy=False
+    _send(sock, parts[-1], flags, False)
 
 
 def recv_parts(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     """`recv_multipart(copy=False)` reading `Frame.more` instead of a getsockopt per part."""
-    frame = sock.recv(flags, copy=False)
+    frame = _recv(sock, flags, False)  # copy=False: a zmq.Frame
     parts = [frame]
     while frame.more:
-        frame = sock.recv(0, copy=False)  # the rest of a multipart message is already here
+        frame = _recv(sock, 0, False)  # the rest of a multipart message is already here
         parts.append(frame)
     return parts
 
