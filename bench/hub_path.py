@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_common import environment, write_json  # noqa: E402
-from transport import make_group, overrides_for  # noqa: E402
+from transport_peers import make_group, overrides_for  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.group_codec import new_message  # noqa: E402

@@ -5,7 +5,10 @@ noise hits every variant alike:
 
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
-               (`SampleRequest` -> `Batch`, IN_FLIGHT requests in flight) and decodes every batch.
+               (`SampleRequest` -> `Batch`) and decodes every batch. It keeps about
+               `--in-flight-mb` of requests in flight (at least MIN_IN_FLIGHT requests), as the
+               raw receivers below let ZeroMQ queue what arrives: a learner that asks too little
+               ahead leaves the pipeline idle between batches and times its own waits.
                Two hops, acks and credits included; the hub validates every group in full,
                the learner checks structure and sizes (the hub scanned the values already).
 - `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
@@ -50,12 +53,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.group_codec import new_message
-from asyncrl.protocol import Batch, Credits, Group, SampleRequest, Trajectory, encode
+from asyncrl.protocol import Batch, SampleRequest
 from asyncrl.transport import HubConnection, keep_freed_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,103 +70,19 @@ from bench_common import (  # noqa: E402
     spread,
     steal_pct,
 )
+from transport_peers import (  # noqa: E402
+    PROMPT_TOKENS,
+    SAMPLES,
+    SIZES,
+    actor_main,
+    make_group,
+    overrides_for,
+    raw_push_main,
+    relay_main,
+)
 
-SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
-SAMPLES, PROMPT_TOKENS = 8, 64
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
-IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
-
-
-def make_group(target_bytes: int) -> Group:
-    """A group of SAMPLES trajectories whose arrays total about `target_bytes`."""
-    length = max(PROMPT_TOKENS + 1, (target_bytes // SAMPLES + 5 * PROMPT_TOKENS) // 9)
-    rng = np.random.default_rng(0)
-    trajs = [
-        Trajectory(
-            tokens=rng.integers(0, 32000, length, dtype=np.int32),
-            prompt_len=PROMPT_TOKENS,
-            loss_mask=np.ones(length - PROMPT_TOKENS, np.uint8),
-            behavior_logprobs=-rng.random(length - PROMPT_TOKENS, dtype=np.float32),
-            reward=1.0,
-            min_policy_version=0,
-            max_policy_version=0,
-            finish_reason="length",
-        )
-        for _ in range(SAMPLES)
-    ]
-    return Group.build(
-        group_id="g", prompt_id="p", credit_id=0, actor_id="bench", seq=0, trajectories=trajs
-    )
-
-
-def overrides_for(group_bytes: int, batch: int) -> list[str]:
-    capacity = max(4 * batch, min(4096, (512 << 20) // group_bytes))
-    return [
-        f"learner.groups_per_step={batch}",
-        "replay.max_staleness=1000000000",
-        f"replay.capacity_groups={capacity}",
-        f"replay.max_message_bytes={max(256 << 20, 4 * batch * group_bytes)}",
-    ]
-
-
-# --- the processes --------------------------------------------------------------------------
-
-
-def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: int, count: int,
-               client_id: str, ready: Any, go: Any, cpu: Any) -> None:  # fmt: skip
-    """Push `count` groups, one per credit, as fast as credits come."""
-    # each group is the template under its credit and seq; built without the dataclass
-    # __init__ (dataclasses.replace): what an actor spends making groups is not measured here
-    fields = {**make_group(group_bytes).__dict__, "actor_id": client_id}
-    conn = HubConnection(endpoint, role="actor", client_id=client_id, config_hash=config_hash,
-                         concurrency=concurrency)  # fmt: skip
-    conn.start()
-    gc.freeze()  # as the hub does: long-lived objects out of the collector's way
-    ready.set()
-    go.wait()
-    cpu_start = time.process_time()
-    seq = 0
-    while seq < count:
-        msg = conn.recv(timeout_s=10)
-        assert msg is not None, "no credits for 10 s"
-        if isinstance(msg, Credits):
-            for item in msg.items[: count - seq]:
-                conn.send(new_message(Group, {**fields, "credit_id": item.credit_id,
-                                              "prompt_id": item.prompt_id, "seq": seq}))  # fmt: skip
-                seq += 1
-    while conn.unacked():
-        time.sleep(0.001)
-    cpu.put(time.process_time() - cpu_start)
-    conn.close()
-
-
-def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any,
-                  cpu: Any) -> None:  # fmt: skip
-    """Send the frames of `count` groups (same header bytes and arrays the hub path moves)."""
-    frames = [
-        bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))
-    ]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 10000)
-    sock.bind(endpoint) if bind else sock.connect(endpoint)
-    ready.set()
-    go.wait()
-    cpu_start = time.process_time()
-    for _ in range(count):
-        sock.send_multipart(frames, copy=False)
-    sock.close(linger=-1)
-    ctx.term()  # returns once ZeroMQ's I/O thread has sent everything: its CPU time counts too
-    cpu.put(time.process_time() - cpu_start)
-
-
-def relay_main(front: str, back: str) -> None:
-    keep_freed_buffers()  # as the hub: it too holds received messages until they are sent on
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(front)
-    push.connect(back)
-    zmq.proxy(pull, push)
+MIN_IN_FLIGHT = 4  # sample requests the learner keeps in flight at least (hides a durable fsync)
 
 
 # --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
@@ -187,7 +104,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
     while received < count:
-        while in_flight < IN_FLIGHT and received + in_flight * batch < count:
+        while in_flight < hub["in_flight"] and received + in_flight * batch < count:
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
@@ -279,6 +196,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
     count -= count % batch
     overrides = overrides_for(actual, batch)
+    in_flight = max(MIN_IN_FLIGHT, (args.in_flight_mb << 20) // (batch * actual))
     hubs = {}
     for name, extra in (("hub", []), ("hub_durable", DURABLE)):
         if name not in args.variants.split(","):
@@ -288,7 +206,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         profile = f"{args.profile_hub}.{name}.{actual}" if args.profile_hub else ""
         proc, endpoint = start_hub(tmp, overrides + extra, profile)
         hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
-               "request_id": 0, "pid": proc.pid, "proc": proc}  # fmt: skip
+               "request_id": 0, "pid": proc.pid, "proc": proc, "in_flight": in_flight}  # fmt: skip
         hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
                                        config_hash=hub["hash"])  # fmt: skip
         hub["learner"].start()
@@ -336,6 +254,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     disk = disk_fsync_mbps(tmp)
     return {
         "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
+        "requests_in_flight": in_flight,
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
@@ -392,6 +311,8 @@ def main() -> None:
     p.add_argument(
         "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
     )
+    p.add_argument("--in-flight-mb", type=int, default=32,
+                   help="group bytes the learner keeps requested ahead (hub variants)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
@@ -412,6 +333,7 @@ def main() -> None:
             "samples_per_group": SAMPLES,
             "prompt_tokens": PROMPT_TOKENS,
             "transport": "tcp loopback",
+            "in_flight_mb": args.in_flight_mb,
         },
         **env,
         "results": results,

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import environment, spread, write_json  # noqa: E402
-from transport import SIZES, make_group  # noqa: E402
+from transport_peers import SIZES, make_group  # noqa: E402
 
 from asyncrl.protocol import encode  # noqa: E402
 

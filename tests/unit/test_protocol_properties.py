@@ -10,7 +10,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_protocol import builds
+from wire_cases import builds
 
 from asyncrl.protocol import MESSAGE_TYPES, BatchAck, Hello, ProtocolError, Welcome, decode, encode
 
