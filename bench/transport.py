@@ -5,10 +5,7 @@ noise hits every variant alike:
 
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
-               (`SampleRequest` -> `Batch`) and decodes every batch. It keeps about
-               `--in-flight-mb` of requests in flight (at least MIN_IN_FLIGHT requests), as the
-               raw receivers below let ZeroMQ queue what arrives: a learner that asks too little
-               ahead leaves the pipeline idle between batches and times its own waits.
+               (`SampleRequest` -> `Batch`, IN_FLIGHT requests in flight) and decodes every batch.
                Two hops, acks and credits included; the hub validates every group in full,
                the learner checks structure and sizes (the hub scanned the values already).
 - `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
@@ -82,7 +79,7 @@ from transport_peers import (  # noqa: E402
 )
 
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
-MIN_IN_FLIGHT = 4  # sample requests the learner keeps in flight at least (hides a durable fsync)
+IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
 
 
 # --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
@@ -104,7 +101,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
     while received < count:
-        while in_flight < hub["in_flight"] and received + in_flight * batch < count:
+        while in_flight < IN_FLIGHT and received + in_flight * batch < count:
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
@@ -196,7 +193,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
     count -= count % batch
     overrides = overrides_for(actual, batch)
-    in_flight = max(MIN_IN_FLIGHT, (args.in_flight_mb << 20) // (batch * actual))
     hubs = {}
     for name, extra in (("hub", []), ("hub_durable", DURABLE)):
         if name not in args.variants.split(","):
@@ -206,7 +202,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         profile = f"{args.profile_hub}.{name}.{actual}" if args.profile_hub else ""
         proc, endpoint = start_hub(tmp, overrides + extra, profile)
         hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
-               "request_id": 0, "pid": proc.pid, "proc": proc, "in_flight": in_flight}  # fmt: skip
+               "request_id": 0, "pid": proc.pid, "proc": proc}  # fmt: skip
         hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
                                        config_hash=hub["hash"])  # fmt: skip
         hub["learner"].start()
@@ -254,7 +250,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     disk = disk_fsync_mbps(tmp)
     return {
         "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
-        "requests_in_flight": in_flight,
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
@@ -311,8 +306,6 @@ def main() -> None:
     p.add_argument(
         "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
     )
-    p.add_argument("--in-flight-mb", type=int, default=32,
-                   help="group bytes the learner keeps requested ahead (hub variants)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
@@ -333,7 +326,6 @@ def main() -> None:
             "samples_per_group": SAMPLES,
             "prompt_tokens": PROMPT_TOKENS,
             "transport": "tcp loopback",
-            "in_flight_mb": args.in_flight_mb,
         },
         **env,
         "results": results,
