@@ -8,8 +8,8 @@ header is parsed and type-checked in compiled code (msgspec, into `_Head`), then
 between fields take a handful of bulk checks. Anything else (an unknown key, an odd layout, a
 refusal) answers None, and the caller takes the generic path of asyncrl/protocol.py, which
 finds and names whatever is wrong. The fast path never accepts what the generic path refuses
-(tests/unit/test_protocol.py pins it: typed parsing is at least as strict as msgpack with
-strict map keys, and `metadata`, the one free-form map, is decoded by msgpack itself).
+(tests/unit/test_protocol_fast_path.py pins it: typed parsing is at least as strict as msgpack
+with strict map keys, and `metadata`, the one free-form map, is decoded by msgpack itself).
 
 A decoded group remembers the frames it came in (`remember_frames`): a `Batch` embeds each
 of its groups as that whole Group message, so the hub forwards what it received unchanged.

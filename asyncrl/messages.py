@@ -3,8 +3,8 @@
 What travels is defined here; how (msgpack header + raw array frames) is asyncrl/protocol.py,
 which re-exports every name of this module (`from asyncrl.protocol import Group`). Fields are
 only appended, with defaults; one made with `appended_field` stays off the wire at its default,
-so the bytes of every existing message stay as they were (golden bytes:
-tests/unit/test_protocol.py). `Group` and `Trajectory` live in asyncrl/group_messages.py, the
+so the bytes of every existing message stay as they were (golden bytes in
+tests/unit/golden_wire.py). `Group` and `Trajectory` live in asyncrl/group_messages.py, the
 protocol version, limits and `ProtocolError` in asyncrl/message_fields.py; both are
 importable from here.
 """

@@ -5,7 +5,7 @@ tokenizer, which need not be the policy's) and gets back `Scores` with one float
 or an `Error` carrying the same `request_id` and naming the field at fault. `StatsRequest` is
 answered with `Stats` (the server's counters). They travel like every other asyncrl message:
 msgpack header + raw array frames (asyncrl/protocol.py), golden bytes in
-tests/unit/test_protocol.py. Defined apart from asyncrl/messages.py, which lists them in
+tests/unit/golden_wire.py. Defined apart from asyncrl/messages.py, which lists them in
 `MESSAGE_TYPES`, so that module stays about the hub.
 """
 
