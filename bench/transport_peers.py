@@ -85,6 +85,13 @@ def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready
     frames = [
         bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))
     ]
+    push_frames(endpoint, frames, count, bind, ready, go, cpu)
+
+
+def push_frames(endpoint: str, frames: list[Any], count: int, bind: bool, ready: Any, go: Any,
+                cpu: Any) -> None:  # fmt: skip
+    """Send `frames` as one message `count` times through a PUSH socket, once `go` is set; put
+    the CPU seconds this process spent on `cpu` (ZeroMQ's I/O thread included)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 10000)

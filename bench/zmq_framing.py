@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import environment, spread, write_json  # noqa: E402
-from transport_peers import SIZES, make_group  # noqa: E402
+from transport_peers import SIZES, make_group, push_frames  # noqa: E402
 
 from asyncrl.protocol import encode  # noqa: E402
 
@@ -60,19 +60,7 @@ def message(layout: str, group_bytes: int) -> tuple[list[bytes], int]:
 
 def sender_main(endpoint: str, layout: str, group_bytes: int, messages: int, ready: Any,
                 go: Any, cpu: Any) -> None:  # fmt: skip
-    frames, _ = message(layout, group_bytes)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 10000)
-    sock.connect(endpoint)
-    ready.set()
-    go.wait()
-    start = time.process_time()
-    for _ in range(messages):
-        sock.send_multipart(frames, copy=False)
-    sock.close(linger=-1)
-    ctx.term()  # returns once ZeroMQ's I/O thread has sent everything: its CPU time counts too
-    cpu.put(time.process_time() - start)
+    push_frames(endpoint, message(layout, group_bytes)[0], messages, False, ready, go, cpu)
 
 
 def run(layout: str, group_bytes: int, groups: int) -> dict[str, float]:
