@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
@@ -41,26 +40,17 @@ from asyncrl.protocol import (
     WeightsAnnounce,
 )
 from asyncrl.transport import HubConnection
-from asyncrl.weights.bucket_plan import BucketPlan, params_from_module
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.gloo_backend import buffer_device
-from asyncrl.weights.hf_layout import checkpoint_tensors, has_fused_experts
+from asyncrl.weights.hf_layout import checkpoint_tensors
 from asyncrl.weights.publisher import WeightPublisher
 from learner.batch_metrics import episode_metrics, staleness_histogram, version_metrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.metrics_log import MetricsLog
 from learner.observe import LearnerObserver
-from learner.parallel import (
-    SINGLE,
-    Op,
-    Ranks,
-    pack_batch,
-    recv_command,
-    send_command,
-    shard_model,
-    unpack_batch,
-)
-from learner.publish import ShardedSource, gather_all, sharded_digest
+from learner.parallel import SINGLE, Op, Ranks, pack_batch, recv_command, send_command, unpack_batch
+from learner.policy_model import load_policy, make_adamw
+from learner.publish import ShardedSource, actors_loaded, gather_all, sharded_digest
 from learner.reward_monitor import RewardMonitor
 from learner.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from learner.step import StepRunner
@@ -84,18 +74,7 @@ class Learner:
         self.model_dir = model_dir
         self.ranks = ranks
         torch.manual_seed(cfg.run.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(cfg.model.dtype))
-        self.model.train()
-        plan = BucketPlan.from_params(params_from_module(self.model), cfg.weights.bucket_bytes)
-        self.model.to(train_device(cfg.learner.device, ranks.local_rank))
-        if ranks.distributed:
-            if has_fused_experts(self.model.named_parameters()):
-                raise ValueError(
-                    "learner.world > 1: models with fused MoE expert parameters cannot be "
-                    "published from shards yet; train this model with learner.world = 1"
-                )
-            shard_model(self.model, ranks)
-        self.pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        self.model, plan, self.pad_id = load_policy(cfg, model_dir, ranks)
         self.optimizer = make_adamw(self.model, cfg.learner.lr, cfg.learner.weight_decay)
         self.runner = StepRunner(cfg, self.model, self.optimizer, self.pad_id, ranks)
         self.policy_version = 0
@@ -396,7 +375,7 @@ class Learner:
         if unpublished or self.members != self.published_to:
             self.publish()
             self.publisher.wait(timeout=wait_s)
-        loaded = self.wait_actors_loaded(min(wait_actors_s, wait_s))
+        loaded = actors_loaded(self.conn, self.policy_version, min(wait_actors_s, wait_s))
         if self.obs is not None and not stopping:
             self.obs.wait_final_eval(self.policy_version, self.cfg.eval.timeout_s)
         return {
@@ -412,48 +391,6 @@ class Learner:
             return digest_named_tensors(self.model.named_parameters())
         send_command(Op.DIGEST)
         return sharded_digest(self.model, leader=True)
-
-    def wait_actors_loaded(self, timeout_s: float) -> dict[str, int]:
-        """Poll the hub until every live actor reports the final version (or time runs out)."""
-        from asyncrl.protocol import Stats, StatsRequest
-
-        deadline = time.monotonic() + timeout_s
-        loaded: dict[str, int] = {}
-        while time.monotonic() < deadline:
-            self.conn.send(StatsRequest())
-            msg = self.conn.recv(timeout_s=1.0)
-            if isinstance(msg, Stats):
-                clients = msg.stats.get("clients", {})
-                actors = {k: v for k, v in clients.items() if v.get("role") == "actor"}
-                loaded = {k: int(v.get("loaded_version", -1)) for k, v in actors.items()}
-                alive = [k for k, v in actors.items() if v.get("alive")]
-                if all(loaded[a] >= self.policy_version for a in alive):
-                    break
-            time.sleep(0.2)
-        return loaded
-
-
-def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, fused into one kernel per step where torch has one for these parameters (CPU and
-    CUDA floating point): a tiny model's step is otherwise dominated by per-tensor dispatch."""
-    params = list(model.parameters())
-    fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(
-        params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fusable else {})
-    )
-
-
-def train_device(choice: str, local_rank: int) -> torch.device:
-    """Where the learner trains: `learner.device` ("auto": this rank's GPU when there is one)."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("learner.device: 'cuda' asked for, but torch sees no CUDA device")
-    if choice == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _print_line(line: str) -> None:

@@ -15,16 +15,20 @@ broadcast to the actors fails, so the other ranks never wait on a gather that ne
 
 With one rank the learner keeps the non-blocking snapshot path of asyncrl/weights/publisher.py;
 with several, the learner waits for the publication (its time is the step's `weight_sync_s`).
+At the end of a run, `actors_loaded` asks the hub which version each actor has loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
+from asyncrl.protocol import Stats, StatsRequest
+from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import Bucket, BucketPlan, Entry, allocate_staging, pack_bucket
 from asyncrl.weights.digest import update_digest
 
@@ -96,3 +100,22 @@ def sharded_digest(model: torch.nn.Module, leader: bool) -> str:
             update_digest(h, name, full)
         del full
     return h.hexdigest()[:32] if leader else ""
+
+
+def actors_loaded(conn: HubConnection, policy_version: int, timeout_s: float) -> dict[str, int]:
+    """Each actor's loaded version, polled from the hub's stats until every live actor has
+    `policy_version` (or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    loaded: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        conn.send(StatsRequest())
+        msg = conn.recv(timeout_s=1.0)
+        if isinstance(msg, Stats):
+            clients = msg.stats.get("clients", {})
+            actors = {k: v for k, v in clients.items() if v.get("role") == "actor"}
+            loaded = {k: int(v.get("loaded_version", -1)) for k, v in actors.items()}
+            alive = [k for k, v in actors.items() if v.get("alive")]
+            if all(loaded[a] >= policy_version for a in alive):
+                break
+        time.sleep(0.2)
+    return loaded

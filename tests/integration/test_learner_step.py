@@ -25,8 +25,9 @@ from asyncrl.protocol import Batch, Group, Trajectory
 from asyncrl.transport import HubConnection
 from learner.advantages import group_advantages
 from learner.batching import collate, token_logprobs
-from learner.loop import Learner, make_adamw
+from learner.loop import Learner
 from learner.losses import policy_loss
+from learner.policy_model import make_adamw
 
 
 def _group(rng: np.random.Generator, group_id: str, size: int, versions: tuple = (0, 0)) -> Group:

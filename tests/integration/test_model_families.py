@@ -26,7 +26,7 @@ from asyncrl.protocol import Group, Trajectory
 from asyncrl.weights.hf_layout import checkpoint_tensors
 from learner.batching import collate, token_logprobs
 from learner.checkpoint import save_checkpoint
-from learner.loop import make_adamw
+from learner.policy_model import make_adamw
 from learner.step import StepRunner
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
