@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from test_hub import WAIT_S, HubProcess, make_group, stats
+from hub_cases import WAIT_S, HubProcess, make_group, stats
 from wire_checks import dealer, refused, reply
 
 from asyncrl.protocol import (

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import zmq
-from test_hub import WAIT_S, ActorThread, HubProcess, advance, make_group, sample, stats
+from hub_cases import WAIT_S, ActorThread, HubProcess, advance, make_group, sample, stats
 
 from asyncrl.protocol import (
     PROTOCOL_VERSION,
@@ -24,14 +22,6 @@ from asyncrl.protocol import (
     decode,
     encode,
 )
-
-
-@pytest.fixture
-def hubs() -> Iterator[list[HubProcess]]:
-    started: list[HubProcess] = []
-    yield started
-    for hub in started:
-        hub.kill()
 
 
 def hello_raw(hub: HubProcess, client_id: str, session: int) -> tuple[zmq.Socket, Welcome, list]:

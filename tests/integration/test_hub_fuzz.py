@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import zmq
-from test_hub import WAIT_S, HubProcess, make_group, stats
+from hub_cases import WAIT_S, HubProcess, make_group, stats
 
 from asyncrl.protocol import (
     PROTOCOL_VERSION,
