@@ -19,147 +19,38 @@ with role learner that requests batches) and checks, in order:
 
 The hub's capacity is small and η out of reach, so the actor never runs far ahead of this
 learner (FIFO sampling then reaches new groups soon) but always holds its full credit window.
-At the `Actor` class level, with a real TorchEngine and a real hub, a verifier that raises or
-returns NaN marks samples `reward_failed` and the actor carries on; credits granted beyond the
-last round are returned. Processes are ended by pid.
+The `Actor` class alone is tested in test_actor_class.py. Processes are ended by pid.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from actor_cases import ACTOR_ID, WAIT_S, Learner, end, python_m, start_hub, write_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from wire_checks import wait_for
 
-from actors.actor import Actor
-from actors.engines.torch_engine import TorchEngine
-from actors.envs.sort_task import SortEnv, read_dataset, write_dataset
-from actors.rewards.base import RewardResult
+from actors.envs.sort_task import read_dataset, write_dataset
 from actors.rewards.sort_verifier import SortVerifier
-from asyncrl.config import RunConfig, load_config, to_toml
 from asyncrl.protocol import (
-    Batch,
-    Credits,
     Group,
-    SampleRequest,
-    Stats,
-    StatsRequest,
     Version,
-    WeightsAnnounce,
 )
-from asyncrl.transport import HubConnection
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.publisher import WeightPublisher
 
-REPO = Path(__file__).resolve().parents[2]
-WAIT_S = 180.0  # generous deadlines (vLLM startup on a loaded box); never asserted as speed
-ACTOR_ID = "actor-under-test"
 TOLERANCE = {"torch": 1e-4, "vllm": 1e-3}
 """Largest allowed |behaviour logprob - transformers logprob| per token (fp32 both sides)."""
 Weights = dict[str, torch.Tensor]
-
-
-def write_config(tmp: Path, model_dir: Path, engine: str) -> tuple[RunConfig, Path]:
-    overrides = [
-        f"model.path={json.dumps(str(model_dir))}", f"actor.engine={engine}",
-        "actor.group_size=4", "actor.concurrency=2", "actor.max_new_tokens=8",
-        "actor.vllm_kv_cache_gib=0.25", "learner.groups_per_step=2",
-        "replay.max_staleness=1000", "replay.capacity_groups=12",
-        "replay.heartbeat_interval_s=0.2", "task.num_prompts=400",
-        f"weights.bucket_bytes={64 * 1024}",
-    ]  # fmt: skip
-    cfg = load_config(None, overrides)
-    path = tmp / "config.toml"
-    path.write_text(to_toml(cfg))
-    return cfg, path
-
-
-def python_m(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "asyncrl", *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-
-
-def end(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, dump: bool = False) -> int:
-    """Signal a process we started (by pid) and reap it; SIGKILL if it lingers (after asking
-    it, with `dump`, to write its threads' stacks to its log: actors register SIGUSR1 for it)."""
-    if proc.poll() is None:
-        os.kill(proc.pid, sig)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            if dump:
-                os.kill(proc.pid, signal.SIGUSR1)
-                time.sleep(2)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
-def start_hub(
-    tmp: Path, config: Path, dataset: Path, bind: str
-) -> tuple[subprocess.Popen[bytes], str]:
-    endpoint_file = tmp / f"hub-{time.monotonic_ns()}.endpoint"
-    proc = python_m(["replay", "--config", str(config), "--dataset", str(dataset), "--bind", bind,
-                     "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"],
-                    tmp / "hub.log")  # fmt: skip
-    deadline = time.monotonic() + WAIT_S
-    while not endpoint_file.exists():
-        assert proc.poll() is None, (tmp / "hub.log").read_text()
-        assert time.monotonic() < deadline, "the hub did not start"
-        time.sleep(0.05)
-    return proc, endpoint_file.read_text().strip()
-
-
-class Learner:
-    """This process's side: batches, versions, stats, weight announcements."""
-
-    def __init__(self, endpoint: str, cfg: RunConfig) -> None:
-        self.conn = HubConnection(endpoint, role="learner", client_id="test-learner",
-                                  config_hash=cfg.config_hash(), heartbeat_interval_s=0.2)  # fmt: skip
-        self.conn.start(timeout_s=WAIT_S)
-        self.request_id = 0
-        self.policy_version = 0
-
-    def reply(self, wanted: type, timeout_s: float = WAIT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = self.conn.recv(timeout_s=0.5)
-            if isinstance(msg, wanted) and getattr(msg, "request_id", self.request_id) == (
-                self.request_id
-            ):
-                return msg
-        raise TimeoutError(f"no {wanted.__name__} from the hub")
-
-    def groups(self, num_groups: int = 2) -> list[Group]:
-        self.request_id += 1
-        self.conn.send(SampleRequest(request_id=self.request_id, num_groups=num_groups,
-                                     policy_version=self.policy_version))  # fmt: skip
-        return list(self.reply(Batch).groups)
-
-    def stats(self) -> dict[str, Any]:
-        self.conn.send(StatsRequest())
-        return self.reply(Stats).stats
-
-    def announce(self, announcement: dict[str, Any]) -> None:
-        self.conn.send(WeightsAnnounce(policy_version=int(announcement["policy_version"]),
-                                       plan_hash=str(announcement["plan_hash"]),
-                                       announcement=announcement))  # fmt: skip
 
 
 class System:
@@ -341,82 +232,3 @@ def test_sigterm_exits_zero_and_returns_unused_credits(system: System) -> None:
     rounds = status["round_generate_s"]  # one generate time per round, for the simulator
     assert len(rounds) == status["stats"]["rounds"] >= 1
     assert sum(rounds) == pytest.approx(status["stats"]["generate_s"], abs=1e-5 * len(rounds))
-
-
-# --- the Actor class with a verifier that fails ---------------------------------------------
-
-
-class FlakyVerifier:
-    """Raises, returns NaN, or scores 0.5, in turn (our own Verifier interface, faked)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def score(self, prompt: str, completion: str, info: dict[str, Any]) -> RewardResult:
-        self.calls += 1
-        if self.calls % 3 == 1:
-            raise RuntimeError("verifier bug")
-        return RewardResult(math.nan if self.calls % 3 == 2 else 0.5)
-
-
-def test_failing_verifier_marks_samples_and_the_actor_carries_on(
-    tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    cfg, config = write_config(tmp_path, tiny_model_dir, "torch")
-    dataset = write_dataset(tmp_path / "prompts.jsonl", cfg.task)
-    hub, endpoint = start_hub(tmp_path, config, dataset, "tcp://127.0.0.1:0")
-    conn = HubConnection(endpoint, role="actor", client_id=ACTOR_ID, config_hash=cfg.config_hash(),
-                         concurrency=cfg.actor.num_window_credits)  # fmt: skip
-    learner = None
-    try:
-        conn.start(timeout_s=WAIT_S)
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-        verifier = FlakyVerifier()  # one for all episodes: it fails in turn
-        actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                      tokenizer=tokenizer, make_env=lambda: SortEnv(verifier))  # fmt: skip
-        # One round: the hub granted the whole window (2 x concurrency) in one message, so half
-        # of it is left unused and must come back.
-        actor.run(max_groups=cfg.actor.concurrency)  # returns normally: failures are data
-        learner = Learner(endpoint, cfg)
-        groups = learner.groups(cfg.actor.concurrency)
-        rewards = [r for g in groups for r in g.rewards]
-        failed = [why for g in groups for why in g.reward_failed]
-        for reward, why in zip(rewards, failed, strict=True):
-            assert (reward, bool(why)) in ((0.5, False), (0.0, True))
-            assert not why or "raised" in why or "not finite" in why
-        # every call of the verifier, whatever the order turns ended in, is in the groups
-        kinds = [i % 3 for i in range(verifier.calls)]
-        assert len(rewards) == verifier.calls
-        assert sum("raised" in why for why in failed) == kinds.count(0)
-        assert sum("not finite" in why for why in failed) == kinds.count(1)
-        assert sum(not why for why in failed) == kinds.count(2)
-        assert actor.stats["reward_failures"] == sum(1 for why in failed if why)
-        returned = actor.stats["credits_returned"]
-        assert returned >= cfg.actor.num_window_credits - cfg.actor.concurrency
-        assert learner.stats()["credits_returned"] == returned
-    finally:
-        conn.close()
-        if learner is not None:
-            learner.conn.close()
-        end(hub)
-
-
-@pytest.mark.parametrize(
-    ("publish_every", "eta", "credit_versions", "need"),
-    [(1, 1, [5], 4), (2, 1, [4], 2), (3, 2, [8, 7], 6), (4, 3, [6], 0), (1, 4, [2], 0)],
-)
-def test_credits_ask_only_for_published_weights(
-    tiny_model_dir: Path, publish_every: int, eta: int, credit_versions: list[int], need: int
-) -> None:
-    """Credits granted at hub version c need weights >= c - η, rounded down to a version the
-    learner publishes (every publish_every-th); waiting for any other would never end."""
-    overrides = [f"learner.publish_every={publish_every}", f"replay.max_staleness={eta}"]
-    cfg = load_config(None, [f"model.path={json.dumps(str(tiny_model_dir))}", *overrides])
-    conn = HubConnection("tcp://127.0.0.1:1", role="actor", client_id=ACTOR_ID,
-                         config_hash=cfg.config_hash(), concurrency=2)  # never started  # fmt: skip
-    actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                  tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                  make_env=lambda: SortEnv(SortVerifier()))  # fmt: skip
-    for version in credit_versions:
-        actor.handle(Credits(group_size=4, policy_version=version, items=()))
-    assert actor.min_weights_version == need

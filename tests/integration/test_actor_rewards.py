@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_actor import ACTOR_ID, WAIT_S, Learner, end, start_hub
+from actor_cases import ACTOR_ID, WAIT_S, Learner, end, start_hub
 from transformers import AutoTokenizer
 
 from actors.actor import Actor
