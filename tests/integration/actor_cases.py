@@ -1,18 +1,26 @@
 """A real hub and a learner for the actor's integration tests: the run config, `python -m`
-processes ended by pid, the hub started on an endpoint, and `Learner`, a learner-role
-`HubConnection` that requests groups and publishes weights."""
+processes ended by pid, the hub started on an endpoint, an `Actor` connected to a fresh hub
+(`actor_on_hub`), and `Learner`, a learner-role `HubConnection` that requests groups and
+publishes weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from actors.actor import Actor
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.sort_task import write_dataset
 from asyncrl.config import RunConfig, load_config, to_toml
 from asyncrl.protocol import (
     Batch,
@@ -80,6 +88,25 @@ def start_hub(
         assert time.monotonic() < deadline, "the hub did not start"
         time.sleep(0.05)
     return proc, endpoint_file.read_text().strip()
+
+
+@contextlib.contextmanager
+def actor_on_hub(tmp: Path, cfg: RunConfig, config: Path, model_dir: Path,
+                 make_env: Callable[[], Any]) -> Iterator[tuple[Actor, str, Path]]:  # fmt: skip
+    """A hub on `config` with a fresh sort dataset and an `Actor` (TorchEngine, `make_env`)
+    connected to it as ACTOR_ID: (actor, hub endpoint, dataset). Both end on exit."""
+    dataset = write_dataset(tmp / "prompts.jsonl", cfg.task)
+    hub, endpoint = start_hub(tmp, config, dataset, "tcp://127.0.0.1:0")
+    conn = HubConnection(endpoint, role="actor", client_id=ACTOR_ID, config_hash=cfg.config_hash(),
+                         concurrency=cfg.actor.num_window_credits)  # fmt: skip
+    try:
+        conn.start(timeout_s=WAIT_S)
+        actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(model_dir),
+                      tokenizer=AutoTokenizer.from_pretrained(model_dir), make_env=make_env)  # fmt: skip
+        yield actor, endpoint, dataset
+    finally:
+        conn.close()
+        end(hub)
 
 
 class Learner:

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_cases import ACTOR_ID, WAIT_S, Learner, end, start_hub, write_config
+from actor_cases import ACTOR_ID, Learner, actor_on_hub, write_config
 from transformers import AutoTokenizer
 
 from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
-from actors.envs.sort_task import SortEnv, write_dataset
+from actors.envs.sort_task import SortEnv
 from actors.rewards.base import RewardResult
 from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import load_config
@@ -42,42 +42,32 @@ def test_failing_verifier_marks_samples_and_the_actor_carries_on(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     cfg, config = write_config(tmp_path, tiny_model_dir, "torch")
-    dataset = write_dataset(tmp_path / "prompts.jsonl", cfg.task)
-    hub, endpoint = start_hub(tmp_path, config, dataset, "tcp://127.0.0.1:0")
-    conn = HubConnection(endpoint, role="actor", client_id=ACTOR_ID, config_hash=cfg.config_hash(),
-                         concurrency=cfg.actor.num_window_credits)  # fmt: skip
-    learner = None
-    try:
-        conn.start(timeout_s=WAIT_S)
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-        verifier = FlakyVerifier()  # one for all episodes: it fails in turn
-        actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                      tokenizer=tokenizer, make_env=lambda: SortEnv(verifier))  # fmt: skip
+    verifier = FlakyVerifier()  # one for all episodes: it fails in turn
+    with actor_on_hub(tmp_path, cfg, config, tiny_model_dir, lambda: SortEnv(verifier)) as a:
+        actor, endpoint, _ = a
         # One round: the hub granted the whole window (2 x concurrency) in one message, so half
         # of it is left unused and must come back.
         actor.run(max_groups=cfg.actor.concurrency)  # returns normally: failures are data
         learner = Learner(endpoint, cfg)
-        groups = learner.groups(cfg.actor.concurrency)
-        rewards = [r for g in groups for r in g.rewards]
-        failed = [why for g in groups for why in g.reward_failed]
-        for reward, why in zip(rewards, failed, strict=True):
-            assert (reward, bool(why)) in ((0.5, False), (0.0, True))
-            assert not why or "raised" in why or "not finite" in why
-        # every call of the verifier, whatever the order turns ended in, is in the groups
-        kinds = [i % 3 for i in range(verifier.calls)]
-        assert len(rewards) == verifier.calls
-        assert sum("raised" in why for why in failed) == kinds.count(0)
-        assert sum("not finite" in why for why in failed) == kinds.count(1)
-        assert sum(not why for why in failed) == kinds.count(2)
-        assert actor.stats["reward_failures"] == sum(1 for why in failed if why)
-        returned = actor.stats["credits_returned"]
-        assert returned >= cfg.actor.num_window_credits - cfg.actor.concurrency
-        assert learner.stats()["credits_returned"] == returned
-    finally:
-        conn.close()
-        if learner is not None:
+        try:
+            groups = learner.groups(cfg.actor.concurrency)
+            rewards = [r for g in groups for r in g.rewards]
+            failed = [why for g in groups for why in g.reward_failed]
+            for reward, why in zip(rewards, failed, strict=True):
+                assert (reward, bool(why)) in ((0.5, False), (0.0, True))
+                assert not why or "raised" in why or "not finite" in why
+            # every call of the verifier, whatever the order turns ended in, is in the groups
+            kinds = [i % 3 for i in range(verifier.calls)]
+            assert len(rewards) == verifier.calls
+            assert sum("raised" in why for why in failed) == kinds.count(0)
+            assert sum("not finite" in why for why in failed) == kinds.count(1)
+            assert sum(not why for why in failed) == kinds.count(2)
+            assert actor.stats["reward_failures"] == sum(1 for why in failed if why)
+            returned = actor.stats["credits_returned"]
+            assert returned >= cfg.actor.num_window_credits - cfg.actor.concurrency
+            assert learner.stats()["credits_returned"] == returned
+        finally:
             learner.conn.close()
-        end(hub)
 
 
 @pytest.mark.parametrize(

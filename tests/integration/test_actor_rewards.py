@@ -8,15 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from actor_cases import ACTOR_ID, WAIT_S, Learner, end, start_hub
-from transformers import AutoTokenizer
+from actor_cases import Learner, actor_on_hub
 
-from actors.actor import Actor
-from actors.engines.torch_engine import TorchEngine
-from actors.envs.sort_task import SortEnv, read_dataset, write_dataset
+from actors.envs.sort_task import SortEnv, read_dataset
 from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import load_config, to_toml
-from asyncrl.transport import HubConnection
 
 PICKY = '''
 from actors.rewards.components import ComponentResult, InlineComponent
@@ -52,32 +48,22 @@ def test_drop_group_policy_and_component_values_on_the_wire(
     ])  # fmt: skip
     config = tmp_path / "config.toml"
     config.write_text(to_toml(cfg))
-    dataset = write_dataset(tmp_path / "prompts.jsonl", cfg.task)
-    hub, endpoint = start_hub(tmp_path, config, dataset, "tcp://127.0.0.1:0")
-    conn = HubConnection(endpoint, role="actor", client_id=ACTOR_ID, config_hash=cfg.config_hash(),
-                         concurrency=cfg.actor.num_window_credits)  # fmt: skip
-    learner = None
-    try:
-        conn.start(timeout_s=WAIT_S)
-        actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                      tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                      make_env=lambda: SortEnv(SortVerifier()))  # fmt: skip
+    with actor_on_hub(tmp_path, cfg, config, tiny_model_dir, lambda: SortEnv(SortVerifier())) as a:
+        actor, endpoint, dataset = a
         actor.run(max_groups=8)
         pushed, dropped = actor.stats["groups_pushed"], actor.stats["reward_groups_dropped"]
         assert pushed + dropped == 8 and dropped >= 1 and pushed >= 1, (pushed, dropped)
         prompts = {r["prompt_id"]: r["prompt"] for r in read_dataset(dataset)}
         learner = Learner(endpoint, cfg)
-        groups = learner.groups(int(pushed))
-        for g in groups:
-            assert int(prompts[g.prompt_id][0]) % 2 == 1  # no group of an even prompt came
-            assert g.reward_components["picky"] == [0.25] * g.size
-            assert [round(r - t, 6) for r, t in zip(g.rewards, g.reward_components["task"],
-                                                     strict=True)] == [0.25] * g.size  # fmt: skip
-            provenance = g.metadata["reward"]["provenance"]
-            assert provenance["components"]["picky"] == {"version": "7"}
-        assert learner.stats()["credits_returned"] >= dropped
-    finally:
-        conn.close()
-        if learner is not None:
+        try:
+            groups = learner.groups(int(pushed))
+            for g in groups:
+                assert int(prompts[g.prompt_id][0]) % 2 == 1  # no group of an even prompt came
+                assert g.reward_components["picky"] == [0.25] * g.size
+                assert [round(r - t, 6) for r, t in zip(g.rewards, g.reward_components["task"],
+                                                         strict=True)] == [0.25] * g.size  # fmt: skip
+                provenance = g.metadata["reward"]["provenance"]
+                assert provenance["components"]["picky"] == {"version": "7"}
+            assert learner.stats()["credits_returned"] >= dropped
+        finally:
             learner.conn.close()
-        end(hub)
