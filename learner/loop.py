@@ -121,9 +121,10 @@ class Learner:
             step_s = time.perf_counter() - start
             self.policy_version += 1
             self.step += 1
-            # trained: the hub may forget the batch (a learner dying before gets it again)
-            self.conn.send(BatchAck(request_id=batch.request_id))
+            # trained: logged first, then the hub may forget the batch (a learner dying before
+            # the ack gets it again); an ack never covers groups the log does not have
             self.record_trained(batch)
+            self.conn.send(BatchAck(request_id=batch.request_id))
             # Members come back asynchronously; fetch_batch re-publishes if they changed
             self.conn.send(Version(policy_version=self.policy_version))
             if self.step % self.cfg.learner.publish_every == 0:
