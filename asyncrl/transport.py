@@ -122,12 +122,19 @@ def listen_port_range() -> tuple[int, int]:
     ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which bind(0) and outgoing
     connections draw from. So no client connection takes a port picked here in the meantime,
     and a client reconnecting to a restarted server on it cannot connect to itself (a TCP
-    self-connect on loopback holds the port and the restarted server cannot bind it)."""
+    self-connect on loopback holds the port and the restarted server cannot bind it). And from
+    `RESERVED_BELOW` up: Ray's workers take ports 10002-19999 by default (asyncrl under Ray, or
+    beside it), and a port of theirs picked here makes one of the two fail to start."""
     try:
         first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         first = 32768  # Linux's default; other systems start theirs higher
-    return (10000, first) if first > 11000 else (49152, 65536)  # an unusually wide range
+    if first > RESERVED_BELOW + 1000:
+        return RESERVED_BELOW, first
+    return 49152, 65536  # an unusually wide ephemeral range: the IANA dynamic ports
+
+
+RESERVED_BELOW = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
