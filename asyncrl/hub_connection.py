@@ -11,7 +11,9 @@ One I/O thread owns the DEALER socket, because ZeroMQ sockets are not thread-saf
 Back-pressure: a full send pipe (SNDHWM) keeps frames in the I/O thread until the socket can
 take them; the hub's credits bound how many groups an actor can have in flight at all.
 
-Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)):
+Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)); what it has to
+remember (credits, unacked groups, the latest Version, BatchAck and SampleRequest) is the
+connection's `Ledger` (asyncrl/delivery.py):
 - A `Group` stays in `unacked` until the hub acknowledges its seq (`Ack.seq`, or one of
   `Ack.seqs`: the connection asks for batched acks in its Hello). A client may send a group
   only for a credit it holds; the credit is spent on send.
@@ -53,24 +55,19 @@ from typing import Any
 
 import zmq
 
+from asyncrl.delivery import Ledger
 from asyncrl.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Ack,
     Batch,
-    BatchAck,
     Bye,
-    CreditReturn,
     Credits,
     Error,
-    Group,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
-    SampleRequest,
-    Version,
-    WeightsLoaded,
     Welcome,
     decode,
     encode,
@@ -122,13 +119,7 @@ class HubConnection:
         self._wake_pending = False
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # and _INTERRUPT
         self._handlers: dict[type, Callable[[Message], None]] = {}
-        self._held: set[int] = set()  # credits granted by the current hub, not yet used
-        self._retired: set[int] = set()  # credits of a previous hub incarnation, still usable once
-        self._unacked: dict[int, Group] = {}  # seq -> group, in send order
-        self._last_version: Version | None = None
-        self._last_batch_ack: BatchAck | None = None
-        self._pending_request: SampleRequest | None = None
-        self._policy_version = 0
+        self._ledger = Ledger()  # credits, unacked groups, what a restarted hub must hear again
         self._welcomed = threading.Event()
         self._start_error: ProtocolError | None = None
         self._stop = threading.Event()
@@ -173,21 +164,8 @@ class HubConnection:
         if self._thread is None or self._stop.is_set():
             raise ConnectionError("HubConnection.send: not started, or closed")
         frames = encode(msg)
+        self._ledger.record(msg)
         with self._lock:
-            if isinstance(msg, Group):
-                self._spend_credit(msg.credit_id)
-                self._unacked[msg.seq] = msg
-            elif isinstance(msg, CreditReturn):
-                self._held.difference_update(msg.credit_ids)
-                self._retired.difference_update(msg.credit_ids)
-            elif isinstance(msg, Version):
-                self._last_version = msg
-            elif isinstance(msg, BatchAck):
-                self._last_batch_ack = msg
-            elif isinstance(msg, SampleRequest):
-                self._pending_request = msg
-            if isinstance(msg, (Version, SampleRequest, WeightsLoaded)):
-                self._policy_version = max(self._policy_version, msg.policy_version)
             self._outbox.append(frames)
             if not self._wake_pending:
                 self._wake_pending = True
@@ -220,12 +198,10 @@ class HubConnection:
         return max(seq, welcome.next_seq) if welcome is not None else seq
 
     def credits_held(self) -> int:
-        with self._lock:
-            return len(self._held)
+        return self._ledger.credits_held()
 
     def unacked(self) -> int:
-        with self._lock:
-            return len(self._unacked)
+        return self._ledger.unacked()
 
     def close(self, reason: str = "", timeout_s: float = 5.0) -> None:
         """Flush pending sends (bounded by `timeout_s`), say Bye, stop the I/O thread."""
@@ -242,8 +218,6 @@ class HubConnection:
                 self._ctx.term()
             self._ctx = None
 
-    # --- caller-side bookkeeping ----------------------------------------------------------------
-
     def _wake(self) -> None:
         """Wake the I/O thread; never blocks (the thread may have stopped and closed its end,
         in which case there is nobody to wake: a blocking send would wait forever)."""
@@ -251,14 +225,6 @@ class HubConnection:
             self._wake_tx.send(b"", NOBLOCK)
         except zmq.Again:
             pass  # a wake-up is already pending, or the I/O thread is gone
-
-    def _spend_credit(self, credit_id: int) -> None:
-        if credit_id in self._held:
-            self._held.discard(credit_id)
-        elif credit_id in self._retired:
-            self._retired.discard(credit_id)
-        else:
-            raise ValueError(f"credit_id {credit_id}: this client holds no such credit")
 
     # --- the I/O thread -------------------------------------------------------------------------
 
@@ -295,7 +261,7 @@ class HubConnection:
             if now >= next_beat:
                 next_beat = now + self.heartbeat_interval_s
                 beat = Heartbeat(
-                    client_id=self.hello.client_id, policy_version=self._policy_version
+                    client_id=self.hello.client_id, policy_version=self._ledger.policy_version
                 )
                 self._send_frames(dealer, encode(beat))
         self._shutdown(dealer, wake_rx)
@@ -338,11 +304,7 @@ class HubConnection:
 
     def _dispatch(self, dealer: zmq.Socket, msg: Message) -> None:
         if isinstance(msg, Ack):
-            with self._lock:
-                unacked = self._unacked
-                unacked.pop(msg.seq, None)
-                for seq in msg.seqs:
-                    unacked.pop(seq, None)
+            self._ledger.acked(msg)
             return
         if isinstance(msg, Welcome):
             self._on_welcome(dealer, msg)
@@ -350,12 +312,9 @@ class HubConnection:
         if isinstance(msg, Error) and self._on_error(dealer, msg):
             return
         if isinstance(msg, Credits):
-            with self._lock:
-                self._held.update(item.credit_id for item in msg.items)
+            self._ledger.granted(msg)
         elif isinstance(msg, Batch):
-            with self._lock:
-                if self._pending_request and self._pending_request.request_id == msg.request_id:
-                    self._pending_request = None
+            self._ledger.answered(msg)
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._inbox.put(msg)
@@ -377,10 +336,7 @@ class HubConnection:
                     "%d unacknowledged groups", self.hello.client_id, away,
                     len(self._resend_after_welcome))  # fmt: skip
         self._resend_unacked(dealer, self._resend_after_welcome)
-        with self._lock:
-            last = (self._last_version, self._last_batch_ack, self._pending_request)
-            extra = [m for m in last if m is not None]
-        for m in extra:
+        for m in self._ledger.latest():
             self._send_frames(dealer, encode(m))
 
     def _on_error(self, dealer: zmq.Socket, msg: Error) -> bool:
@@ -396,10 +352,7 @@ class HubConnection:
             return False
         if self._registered:  # the hub forgot us (restarted): register again once
             self._registered = False
-            with self._lock:
-                self._retired |= self._held
-                self._held.clear()
-                self._resend_after_welcome = list(self._unacked)
+            self._resend_after_welcome = self._ledger.hub_forgot()
             self._lost_at = time.monotonic()
             log.warning(
                 "%s: hub does not know us (restarted?); saying Hello again", self.hello.client_id
@@ -408,10 +361,7 @@ class HubConnection:
         return True
 
     def _resend_unacked(self, dealer: zmq.Socket, seqs: list[int] | None) -> None:
-        with self._lock:
-            wanted = self._unacked if seqs is None else seqs
-            groups = [self._unacked[s] for s in wanted if s in self._unacked]
-        for group in groups:
+        for group in self._ledger.groups(seqs):
             self._send_frames(dealer, encode(group))
 
     def _shutdown(self, dealer: zmq.Socket, wake_rx: zmq.Socket) -> None:
