@@ -1,6 +1,6 @@
 """bench/sim's in-flight weight updates against hand-computed timelines.
 
-The setup of tests/unit/test_simulate.py: one actor with concurrency = B groups per step, group
+The setup of tests/unit/test_simulate.py (tests/unit/sim_cases.py): one actor with concurrency = B groups per step, group
 size 2 (S = 2B samples per step), completions of exactly 3 tokens, constant generation time g
 per batch, step time s, weight sync d, pause p per in-flight update. Times are dyadic, so every
 sum the simulator forms is exact and results compare with `==`. Expected numbers come from the
@@ -17,28 +17,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from sim_cases import MEASURED, TOKENS, B, S, one_actor  # noqa: E402
+
 from bench.sim.calibrate import Calibration, LearnerFit, sim_config_for  # noqa: E402
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
-from bench.sim.model import SimConfig, simulate  # noqa: E402
+from bench.sim.model import simulate  # noqa: E402
 from bench.sim.points import parse_point  # noqa: E402
-from bench.sim.timing import GenerationTime, LearnerTime, LengthModel, WeightSync  # noqa: E402
+from bench.sim.timing import GenerationTime, LearnerTime  # noqa: E402
 
-B, GROUP_SIZE, TOKENS = 4, 2, 3
-S = B * GROUP_SIZE
-WARMUP, STEPS = 8, 20
-MEASURED = STEPS - WARMUP
 IN_FLIGHT = {"weight_update": "in_flight", "inflight_pause_s": 0.25}
-
-
-def one_actor(eta: int, g: float, s: float, d: float, **kw: object) -> SimConfig:
-    base: dict[str, object] = dict(
-        num_actors=1, concurrency=B, group_size=GROUP_SIZE, groups_per_step=B,
-        max_staleness=eta, num_steps=STEPS, warmup_steps=WARMUP,
-        lengths=LengthModel(median_tokens=TOKENS, sigma=0.0, prompt_tokens=1),
-        generation=GenerationTime(fixed_s=g), learner=LearnerTime(overhead_s=s),
-        sync=WeightSync(num_buckets=1, bucket_latency_s=d),
-    )  # fmt: skip
-    return SimConfig(**(base | kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("eta", [1, 2, 4])

@@ -15,8 +15,6 @@ moment they land, so the window moves with each sync.
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,36 +27,17 @@ from replay.buffer import ReplayBuffer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.sim.calibrate import calibrate, nnls  # noqa: E402
+from sim_cases import MEASURED, OLD, B, S, one_actor  # noqa: E402
+
 from bench.sim.cluster import ClusterAssumptions  # noqa: E402
 from bench.sim.hub import FreeSlots  # noqa: E402
-from bench.sim.model import SimConfig, Simulation, SimulationStalled, simulate  # noqa: E402
-from bench.sim.points import load_points  # noqa: E402
+from bench.sim.model import Simulation, SimulationStalled, simulate  # noqa: E402
 from bench.sim.timing import (  # noqa: E402
     GenerationTime,
     LearnerTime,
-    LengthModel,
     Spread,
-    WeightSync,
     check_spread,
 )
-
-B, GROUP_SIZE = 4, 2
-S = B * GROUP_SIZE
-WARMUP, STEPS = 8, 20
-MEASURED = STEPS - WARMUP
-OLD = {"wait_for_weights": False, "pipeline_requests": False}
-
-
-def one_actor(eta: int, g: float, s: float, d: float = 0.0, **kw: object) -> SimConfig:
-    base: dict[str, object] = dict(
-        num_actors=1, concurrency=B, group_size=GROUP_SIZE, groups_per_step=B,
-        max_staleness=eta, num_steps=STEPS, warmup_steps=WARMUP,
-        lengths=LengthModel(median_tokens=3, sigma=0.0, prompt_tokens=1),
-        generation=GenerationTime(fixed_s=g), learner=LearnerTime(overhead_s=s),
-        sync=WeightSync(num_buckets=1, bucket_latency_s=d),
-    )  # fmt: skip
-    return SimConfig(**(base | kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("g", "s"), [(1.5, 0.5), (1.0, 1.5)])
@@ -266,55 +245,6 @@ def test_cluster_actors_ask_for_the_real_actors_credit_window() -> None:
     assert narrow.credit_window == 8
 
 
-def test_nnls_recovers_exact_coefficients() -> None:
-    a = np.array([[1.0, 2.0, 30.0], [1.0, 5.0, 10.0], [1.0, 9.0, 70.0], [1.0, 1.0, 5.0]])
-    x = np.array([0.5, 0.0, 0.02])
-    assert nnls(a, a @ x) == pytest.approx(x, abs=1e-12)
-
-
-def synthetic_measurements(path: Path, message_latency_s: float = 0.0, sigma: float = 0.6) -> None:
-    """Points as bench/staleness.py would measure them, made by a known ground truth. With
-    `sigma` = 0 every batch and step takes the same time, and the points say so (quantiles)."""
-    lengths = LengthModel(median_tokens=24, sigma=sigma, max_tokens=128, prompt_tokens=16)
-    measured_lengths = lengths.sample(np.random.default_rng(1), 4000).tolist()
-    points = []
-    for eta in (0, 1, 2, 4):
-        r = simulate(SimConfig(
-            num_actors=2, concurrency=4, group_size=4, groups_per_step=4,
-            max_staleness=eta, num_steps=60, warmup_steps=10, seed=eta + 10, lengths=lengths,
-            message_latency_s=message_latency_s,
-            generation=GenerationTime(fixed_s=0.05, step_s=0.002, token_s=0.0004),
-            learner=LearnerTime(overhead_s=0.1, token_s=0.0008),
-            sync=WeightSync(num_buckets=1, bucket_latency_s=0.01),
-        ))  # fmt: skip
-        points.append({
-            "max_staleness": eta, "samples_per_s": {"median": r.samples_per_s},
-            "learner_wait_fraction": r.learner_idle_fraction,
-            "actor_wait_fraction": r.actor_idle_fraction, "step_time_s": r.mean_step_s,
-            "generate_time_s": r.mean_generate_s, "generate_batch_seqs": r.mean_batch_seqs,
-            "response_lengths": measured_lengths, "prompt_tokens": 16, "sync_s": 0.01, "loss": 0.0,
-        })  # fmt: skip
-        if sigma == 0:
-            points[-1]["step_time_quantiles"] = [r.mean_step_s] * 2
-            points[-1]["generate_time_quantiles"] = [r.mean_generate_s] * 2
-    config = {"run": {"num_actors": 2}, "actor": {"concurrency": 4, "credit_window": 4, "group_size": 4},
-              "learner": {"groups_per_step": 4}}  # fmt: skip
-    path.write_text(json.dumps({"config": config, "points": points}))
-
-
-def test_calibration_reproduces_synthetic_points(tmp_path: Path) -> None:
-    measured = tmp_path / "staleness.json"
-    synthetic_measurements(measured)
-    cal = calibrate(load_points(measured)).to_dict()
-    assert cal["sync_s"] == pytest.approx(0.01)
-    assert cal["message_latency_s"] == 0.0  # no time quantiles: not fitted
-    assert cal["latency_fit"]["status"].startswith("no η = 0 point with time quantiles")
-    for point in cal["points"]:
-        assert abs(point["rel_err_samples_per_s"]) < 0.05
-        assert abs(point["abs_err_learner_wait_fraction"]) < 0.05
-        assert abs(point["abs_err_actor_wait_fraction"]) < 0.05
-
-
 @pytest.mark.parametrize("d", [0.0, 0.5])
 def test_eta0_message_latency_adds_four_hops_per_step(d: float) -> None:
     # a cycle: the step ends, the sync lands (d), WeightsLoaded reaches the hub (L), the
@@ -343,18 +273,6 @@ def test_a_credit_window_hides_the_credit_round_trip() -> None:
     assert two.learner_idle_fraction == (g - s) / g
     with pytest.raises(ValueError, match="credit_window: must be 0 or >= concurrency"):
         one_actor(4, g, s, credit_window=B - 1)
-
-
-def test_calibration_recovers_the_message_latency(tmp_path: Path) -> None:
-    # made with 4 ms per message and constant times; fitted from the η = 0 point alone, then the
-    # η >= 1 points (out of sample for the latency) are reproduced with it
-    measured = tmp_path / "staleness.json"
-    synthetic_measurements(measured, message_latency_s=0.004, sigma=0.0)
-    cal = calibrate(load_points(measured)).to_dict()
-    assert cal["latency_fit"]["hops_per_step"] == [pytest.approx(4.0)]
-    assert cal["message_latency_s"] == pytest.approx(0.004, rel=0.05)
-    for point in cal["points"]:
-        assert abs(point["own_times"]["rel_err_samples_per_s"]) < 0.05, point
 
 
 def test_a_constant_spread_changes_nothing() -> None:
@@ -406,42 +324,3 @@ def test_bad_spread_is_refused_by_name(spread: tuple[float, ...], why: str) -> N
         LearnerTime(overhead_s=1.0, spread=spread)
     with pytest.raises(ValueError, match=why):
         check_spread(spread, "x")
-
-
-def test_load_points_names_the_bad_field(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"points": [{"max_staleness": 0, "samples_per_s": "fast"}]}))
-    with pytest.raises(ValueError, match=r"points\[0\]\.response_lengths"):
-        load_points(bad)
-    with pytest.raises(ValueError, match="not found"):
-        load_points(tmp_path / "missing.json")
-    synthetic_measurements(tmp_path / "good.json")
-    good = json.loads((tmp_path / "good.json").read_text())
-    good["points"][1]["step_time_quantiles"] = [0.03, 0.02]
-    bad.write_text(json.dumps(good))
-    with pytest.raises(ValueError, match=r"points\[1\]\.step_time_quantiles: .*ascending"):
-        load_points(bad)
-
-
-def test_cli_calibrate_and_predict(tmp_path: Path) -> None:
-    measured, out, png = tmp_path / "m.json", tmp_path / "sim.json", tmp_path / "sim.png"
-    synthetic_measurements(measured)
-    script = str(REPO / "bench" / "simulate.py")
-    predict = [sys.executable, script, "predict", "--world", "8", "--actors", "6",
-               "--groups-per-step", "4", "--concurrency", "2", "--group-size", "4",
-               "--eta", "0", "2", "--measure", "3", "--warmup", "2", "--repeats", "2",
-               "--jobs", "1", "--measured", str(measured), "--out", str(out),
-               "--png", str(png)]  # fmt: skip
-    subprocess.run(predict, check=True, capture_output=True, cwd=tmp_path)
-    data = json.loads(out.read_text())
-    assert [p["max_staleness"] for p in data["predictions"]] == [0, 2]
-    assert [p["weight_update"] for p in data["predictions_in_flight"]] == ["in_flight"] * 2
-    assert data["derived"]["inflight_pause_s"]["per_seq"] > 0
-    assert data["assumptions"]["world"] == 8 and data["command"].startswith("python bench/")
-    assert data["calibration"]["status"] == "ok" and png.stat().st_size > 0
-    calibrate_cmd = [sys.executable, script, "calibrate", "--measured", str(measured),
-                     "--out", str(out)]  # fmt: skip
-    subprocess.run(calibrate_cmd, check=True, capture_output=True, cwd=tmp_path)
-    again = json.loads(out.read_text())
-    assert again["predictions"] == data["predictions"]
-    assert len(again["calibration"]["points"]) == 4
