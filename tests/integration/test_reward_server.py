@@ -1,30 +1,31 @@
 """`asyncrl reward-server` as a real process on loopback with the tiny sort reward model: the
-same scores as in-process, dynamic batching, the bounded queue, Errors naming the field,
-timeouts, client retries across a server restart, and CURVE auth."""
+same scores as in-process, dynamic batching, the bounded queue, Errors naming the field and
+request timeouts. Client timeouts and restarts, CURVE auth and refused settings:
+test_reward_server_lifecycle.py."""
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
+from reward_server_cases import (
+    COMPLETIONS,
+    PROMPTS,
+    WAIT_S,
+    ServerProcess,
+    request_header,
+    sets,
+)
 from wire_checks import dealer, refused, reply, wait_for
 
-from actors.rewards.rm_client import RewardModelClient, RewardModelError
+from actors.rewards.rm_client import RewardModelClient
 from actors.rewards.rm_component import RewardModelComponent
 from actors.rewards.rm_model import RewardModel, weights_hash
-from actors.rewards.tiny_reward_model import ensure_reward_model
-from asyncrl.auth import keygen
 from asyncrl.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -33,57 +34,6 @@ from asyncrl.protocol import (
     Scores,
     encode,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-WAIT_S = 60.0
-PROMPTS = ["3141:", "9870:", "12:", "55555555:", "0:"]
-COMPLETIONS = ["1134<eos>", "0789<eos>", "21", "55555555<eos>", ""]
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny sort reward model, built once per pytest run (shared base temp dir)."""
-    return ensure_reward_model(tmp_path_factory.getbasetemp() / "reward-models")
-
-
-class ServerProcess:
-    """`asyncrl reward-server` in a subprocess; its endpoint is read from its endpoint file."""
-
-    def __init__(self, tmp: Path, model_dir: Path, *options: str, bind: str = "") -> None:
-        self.endpoint_file = tmp / f"endpoint-{time.monotonic_ns()}"
-        self.stats_file = tmp / f"stats-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(model_dir),
-               "--endpoint-file", str(self.endpoint_file), "--stats-file", str(self.stats_file),
-               "--log-level", "WARNING", *options]  # fmt: skip
-        if bind:
-            cmd += ["--bind", bind]
-        self.log_path = tmp / "reward-server.log"
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        while not self.endpoint_file.exists():
-            assert self.proc.poll() is None, f"server exited: {self.log_path.read_text()}"
-            assert time.monotonic() < deadline, "the reward server did not start"
-            time.sleep(0.05)
-        self.endpoint = self.endpoint_file.read_text().strip()
-
-    def stop(self) -> dict[str, Any]:
-        """SIGTERM, by pid; the counters it wrote at exit."""
-        self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=WAIT_S) == 0
-        return json.loads(self.stats_file.read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def sets(**values: object) -> list[str]:
-    out = []
-    for key, value in values.items():
-        out += ["--set", f"reward_model.{key}={json.dumps(value)}"]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +67,6 @@ def held(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[Ser
 def raw(server: ServerProcess) -> Iterator[zmq.Socket]:
     with dealer(server.endpoint) as sock:
         yield sock
-
-
-def request_header(**changes: Any) -> list[bytes]:
-    msg = ScoreRequest(request_id=77, prompts=["12:"], completions=["12"])
-    header = msgpack.unpackb(encode(msg)[0])
-    header.update(changes)
-    return [msgpack.packb(header)]
 
 
 # --- scores -------------------------------------------------------------------------------------
@@ -317,97 +260,3 @@ def test_an_overloaded_client_retries_until_its_request_fits(held: ServerProcess
             assert errors.get("overloaded", 0) >= 1 and set(errors) == {"overloaded"}
         finally:
             client.close()
-
-
-# --- timeouts, restarts, auth -------------------------------------------------------------------
-
-
-def test_a_client_with_no_server_times_out_after_its_retries() -> None:
-    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:  # binds, never answers
-        port = silent.bind_to_random_port("tcp://127.0.0.1")
-        client = RewardModelClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2,
-                                   backoff_s=0.05)  # fmt: skip
-        try:
-            with pytest.raises(RewardModelError, match="attempt 3") as caught:
-                client.score(["1:1"])
-            assert caught.value.code == "timeout"
-            assert client.stats["timeouts"] == 3 and client.stats["retries"] == 2
-        finally:
-            client.close()
-            silent.setsockopt(zmq.LINGER, 0)
-
-
-def test_the_client_retries_across_a_server_restart(tmp_path: Path, rm_dir: Path) -> None:
-    first = ServerProcess(tmp_path, rm_dir, *sets(max_batch=8, max_wait_ms=60000))
-    # 40 tries of 3 s: longer than the second server may take to start (60 s)
-    client = RewardModelClient(first.endpoint, timeout_s=3.0, retries=40, backoff_s=0.1)
-    second = None
-    try:
-        assert client.server_stats()["requests"] == 0
-        future = client.submit(["21:"], ["12"])  # waits in the first server's queue...
-        first.kill()  # ...which dies with it
-        second = ServerProcess(tmp_path, rm_dir, *sets(max_wait_ms=1), bind=first.endpoint)
-        result = future.result(timeout=WAIT_S)
-        assert result.attempts >= 2 and len(result.scores) == 1
-        assert second.stop()["samples_scored"] >= 1
-    finally:
-        client.close()
-        first.kill()
-        if second is not None:
-            second.kill()
-
-
-def test_auth_admits_key_holders_only(tmp_path: Path, rm_dir: Path) -> None:
-    keys = keygen(tmp_path / "keys", num_clients=1)
-    proc = ServerProcess(tmp_path, rm_dir, "--auth", str(keys))
-    try:
-        client = RewardModelClient(proc.endpoint, auth_dir=str(keys), timeout_s=WAIT_S)
-        try:
-            assert len(client.score(["12:12"])) == 1
-        finally:
-            client.close()
-        stranger = RewardModelClient(proc.endpoint, timeout_s=1.0, retries=0)
-        try:
-            with pytest.raises(RewardModelError, match="no reply"):
-                stranger.score(["12:12"])
-        finally:
-            stranger.close()
-        stats = proc.stop()
-        assert stats["requests"] == 1 and stats["samples_scored"] == 1
-    finally:
-        proc.kill()
-
-
-def test_refuses_to_serve_a_model_with_more_than_one_output(tmp_path: Path, rm_dir: Path) -> None:
-    import shutil
-
-    two = tmp_path / "two-labels"
-    shutil.copytree(rm_dir, two)
-    config = json.loads((two / "config.json").read_text())
-    config["id2label"] = {"0": "a", "1": "b"}
-    (two / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="num_labels=2"):
-        RewardModel(two)
-
-
-def test_an_open_non_loopback_bind_needs_auth() -> None:
-    from actors.rewards.rm_server import bind_score_router
-    from asyncrl.config import RewardModelConfig
-
-    with zmq.Context() as ctx, pytest.raises(ValueError, match="reward_model.bind"):
-        bind_score_router(ctx, RewardModelConfig(bind="tcp://0.0.0.0:0"), allow_insecure=False)
-
-
-@pytest.mark.parametrize("key", ["max_batch", "timeout_s", "max_in_flight"])
-def test_bad_config_values_name_their_key(key: str) -> None:
-    from asyncrl.config import RewardModelConfig
-
-    with pytest.raises(ValueError, match=f"reward_model.{key}"):
-        RewardModelConfig(**{key: 0})
-
-
-def test_the_command_names_a_bad_model_directory(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(tmp_path / "none")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
-    assert done.returncode == 2
-    assert "--model" in done.stderr and "not a Hugging Face model directory" in done.stderr
