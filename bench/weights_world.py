@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import environment, spread  # noqa: E402
-from weights import ACTORS, SHAPE, wait_got, with_receivers  # noqa: E402
+from weights import ACTORS, wait_got, with_receivers  # noqa: E402
+from weights_models import SHAPE  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.transport import free_port  # noqa: E402
