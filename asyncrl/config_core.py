@@ -223,6 +223,12 @@ class ReplayConfig:
     snapshot_log_bytes: int = 256 * 1024 * 1024
     """Durable mode: log size that triggers a snapshot and a fresh log (bounds disk and
     recovery time)."""
+    snapshot_keep_segments: int = 4
+    """Durable mode: a snapshot references groups still buffered in the newest this many
+    closed log segments (kept on disk while referenced) and copies older ones into itself. A
+    buffer larger than a segment is then not rewritten by every snapshot; disk use is bounded
+    by this many segments, the current one, a spare and the snapshot. 1: only the segment the
+    snapshot closes."""
 
     def __post_init__(self) -> None:
         require(
@@ -239,6 +245,12 @@ class ReplayConfig:
             "replay.snapshot_log_bytes",
             "must be >= 1024",
             self.snapshot_log_bytes,
+        )
+        require(
+            self.snapshot_keep_segments >= 1,
+            "replay.snapshot_keep_segments",
+            "must be >= 1",
+            self.snapshot_keep_segments,
         )
         require(self.max_staleness >= 0, "replay.max_staleness", "must be >= 0", self.max_staleness)
         require(

@@ -17,15 +17,16 @@
 
 On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot; see
 replay/snapshot.py), `wal-<N>.log` segments, at most one `wal-spare-<N>.log` and `LOCK` (one hub
-per directory). The snapshot names the segment replayed after it (`log_id` = K+1) and the
-segment whose `store` records it references instead of copying (`ref_log` = K); groups stored
-before K that are still buffered or lent are copied into the snapshot. A new segment is the
+per directory). The snapshot names the segment replayed after it (`log_id` = K+1) and, per
+buffered or lent group, the segment and offset of its `store` record, if that is one of the
+`replay.snapshot_keep_segments` newest closed segments (K and before); groups stored earlier are
+copied into the snapshot. A new segment is the
 spare renamed and overwritten in place (its pages stay cached and its blocks allocated, so the
 log's writes allocate neither; its first record, `segment`, says it was recycled and each commit
 in it ends with an end marker, a header of zeros, before the file's earlier content) or, when
 there is none, a new file. Bound on disk use: the snapshot (meta, one reference per group, at
-most capacity groups copied inline) plus three segments (wal-K, wal-K+1, the spare) of about
-`snapshot_log_bytes` each; one snapshot is written at a time (the loop waits for the previous
+most capacity groups copied inline) plus `snapshot_keep_segments` + 2 segments (the referenced
+ones up to wal-K, wal-K+1, the spare) of about `snapshot_log_bytes` each; one snapshot is written at a time (the loop waits for the previous
 one before it switches again), and while it is, snapshot.tmp too. Record format and checksums
 (seeded with the segment id): replay/wal_records.py. Record kinds: one per HubState op in the
 log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`, ...) plus `segment`;
@@ -33,8 +34,8 @@ log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`, ...) pl
 
 Nothing of wal-K+1 is acknowledged before the snapshot that makes it replayable is renamed into
 place, so a crash at any step recovers: before the rename, the old snapshot + wal-K (wal-K+1 is
-deleted at recovery, never written to again); after it, the new snapshot + wal-K+1 (a leftover
-wal-K-1 is deleted). Recovery loads the snapshot (reading referenced records by offset, checked
+deleted at recovery, never written to again); after it, the new snapshot + wal-K+1 and the segments it
+references (a leftover older segment is deleted). Recovery loads the snapshot (reading referenced records by offset, checked
 like any record), then replays the current segment record by record with `HubState.apply`, and
 stops at the first record that is torn (the file ends inside it) or corrupt (bad length or
 checksum): that record and everything after it is never loaded, and the file is cut there so new
@@ -102,7 +103,8 @@ class WriteAheadLog:
     loop); without, in `commit` and `snapshot`."""
 
     def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
-                 background: bool = False) -> None:  # fmt: skip
+                 background: bool = False,
+                 keep_segments: int = ReplayConfig.snapshot_keep_segments) -> None:  # fmt: skip
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = (self.dir / "LOCK").open("a")
@@ -111,6 +113,7 @@ class WriteAheadLog:
         except BlockingIOError:
             raise ValueError(f"replay.state_dir {self.dir}: another hub is using it") from None
         self.fsync, self.snapshot_log_bytes = fsync, snapshot_log_bytes
+        self.keep_segments = keep_segments  # closed segments a snapshot may reference groups in
         self.log_id = 0
         self.fd = -1
         self.pending: list[Any] = []
@@ -120,8 +123,9 @@ class WriteAheadLog:
         self.written_lsn = 0  # handed to the kernel (with a syncer: to the syncer)
         self.syncer = Syncer() if fsync and background else None
         self.log_bytes = 0  # size of the current segment, pending records included
-        # (actor_id, seq) -> (offset, size) of the group's store record in the current segment
-        self.stored_at: dict[tuple[str, int], tuple[int, int]] = {}
+        # (actor_id, seq) -> (log_id, offset, size) of a group's store record, for the groups
+        # of the current segment and those the latest snapshot references
+        self.stored_at: dict[tuple[str, int], tuple[int, int, int]] = {}
         self.last_snapshot: SnapshotJob | None = None
         self.snapshot_job = 0  # the syncer's number for the latest snapshot job
         self.num_commits = 0
@@ -136,7 +140,7 @@ class WriteAheadLog:
         parts = pack_record(op, args, frames, seed=self.log_id)
         size = record_size(parts)
         if key is not None:
-            self.stored_at[key] = (self.log_bytes, size)
+            self.stored_at[key] = (self.log_id, self.log_bytes, size)
         self.pending.extend(parts)
         self.pending_bytes += size
         self.lsn += size
@@ -197,8 +201,9 @@ class WriteAheadLog:
         if self.syncer is not None:
             self.syncer.wait(self.snapshot_job)
         self.commit()
-        job = prepare(self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync)
-        self.stored_at = {}
+        job = prepare(self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync,
+                      self.keep_segments)  # fmt: skip
+        self.stored_at = dict(job.kept)  # still referenceable by the next snapshot
         self.fd = -1  # the job closes it, once its records are on disk
         self.open_segment(self.log_id + 1)
         self.last_snapshot = job
@@ -251,6 +256,7 @@ class WriteAheadLog:
             loaded = load_snapshot(snapshot, state)
             log_id, keep_from, found.snapshot_groups = (loaded.log_id, loaded.keep_from,
                                                         loaded.num_groups)  # fmt: skip
+            self.stored_at = dict(loaded.refs)  # the next snapshot references them again
         (self.dir / "snapshot.tmp").unlink(missing_ok=True)
         for stale in segment_ids(self.dir):
             if stale > log_id or stale < keep_from:  # a snapshot that never got in / garbage
@@ -295,7 +301,7 @@ class WriteAheadLog:
         if op == "store":  # the next snapshot may reference it
             group = decode(frames, 1 << 62, check_values=False)
             assert isinstance(group, Group)
-            self.stored_at[group.actor_id, group.seq] = (start, end - start)
+            self.stored_at[group.actor_id, group.seq] = (self.log_id, start, end - start)
 
 
 def open_log(state: HubState, rc: ReplayConfig) -> tuple[WriteAheadLog, Recovery]:
@@ -304,7 +310,8 @@ def open_log(state: HubState, rc: ReplayConfig) -> tuple[WriteAheadLog, Recovery
     if not rc.state_dir:
         raise ValueError("replay.state_dir: durable mode needs a directory")
     wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
-                        snapshot_log_bytes=rc.snapshot_log_bytes, background=True)  # fmt: skip
+                        snapshot_log_bytes=rc.snapshot_log_bytes, background=True,
+                        keep_segments=rc.snapshot_keep_segments)  # fmt: skip
     incarnation = state.credits.incarnation  # this process's, not the recovered one
     found = wal.recover(state)
     if found.ops or found.snapshot_groups:

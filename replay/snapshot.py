@@ -1,17 +1,22 @@
 """The hub's snapshot file (`snapshot.bin`): writing one off the hub's loop, and loading one.
 
 A snapshot is taken when the log switches from segment K to segment K+1. It holds a head record
-(`snapshot`: the state's meta, `log_id` = K+1, the log replayed after it, `ref_log` = K, and
-one entry per exported group) and then an inline `group` record for each group that has no
-reference:
+(`snapshot`: the state's meta, `log_id` = K+1, the log replayed after it, and one entry per
+exported group) and then an inline `group` record for each group that has no reference:
 
-    head refs:  [ [offset, size] | None , ... ]   one per group, in `HubState.export` order
-      [offset, size]: the group is the `store` record at `offset` of wal-K.log (`size` bytes);
-                      it was stored while K was the current segment, so it is already on disk
-      None:           the group follows inline (stored before K, or restored at recovery)
+    head refs:  [ [log_id, offset, size] | None , ... ]   one per group, in `HubState.export` order
+      [j, offset, size]: the group is the `store` record at `offset` of wal-j.log (`size`
+                      bytes), with K - keep + 1 <= j <= K (`keep` = replay.snapshot_keep_segments):
+                      a closed segment, already on disk
+      None:           the group follows inline (stored in an older segment)
 
-Only wal-K (if referenced), wal-K+1 and the snapshot are needed after the rename: of the segments
-before K the newest is kept as the spare (`wal-spare-<id>.log`) the next segment is recycled
+A group referenced once stays referenced by later snapshots while its segment is among the
+`keep` newest closed ones (recovery re-learns where referenced groups are), so a buffer that
+spans several segments is not rewritten by every snapshot. Snapshots written before per-group
+segment ids (`ref_log` = K in the head, refs [offset, size] into wal-K) still load.
+
+After the rename the snapshot, wal-K+1 and the segments it references are needed: of the older
+segments the newest is kept as the spare (`wal-spare-<id>.log`) the next segment is recycled
 from (its pages stay in the page cache and its blocks allocated, so writing the log does not
 allocate either), the others are deleted. The head is encoded on the loop at the switch (later changes cannot leak
 in; the exported groups are immutable); `SnapshotJob.run` writes the file, on the syncer thread
@@ -73,6 +78,7 @@ class SnapshotJob:
     directory: Path
     head: list[Any]  # the packed head record: meta and references, encoded at the switch
     inline: list[Group]  # groups copied into the file (no reference to them)
+    kept: dict[Any, tuple[int, int, int]]  # (actor_id, seq) -> where the snapshot references it
     old_fd: int  # the segment being closed: written (and fsynced) before `run`, closed by it
     keep_from: int  # the oldest segment the new snapshot needs
     fsync: bool
@@ -100,23 +106,30 @@ class SnapshotJob:
                 if i < self.keep_from]  # fmt: skip
 
 
-def prepare(directory: Path, state: HubState, log_id: int, stored_at: dict[Any, tuple[int, int]],
-            old_fd: int, fsync: bool) -> SnapshotJob:  # fmt: skip
+def prepare(directory: Path, state: HubState, log_id: int,
+            stored_at: dict[Any, tuple[int, int, int]], old_fd: int, fsync: bool,
+            keep_segments: int = 1) -> SnapshotJob:  # fmt: skip
     """The snapshot of `state` as segment `log_id` closes: a reference for each group whose
-    store record `stored_at` locates (in that segment), the others inline."""
+    store record `stored_at` locates in one of the `keep_segments` newest closed segments
+    (`log_id` and before), the others inline."""
     meta, groups = state.export()
+    oldest = log_id - keep_segments + 1
     refs: list[Any] = []
     inline: list[Group] = []
+    kept: dict[Any, tuple[int, int, int]] = {}
     for g in groups:
-        at = stored_at.get((g.actor_id, g.seq))
-        refs.append(at)
-        if at is None:
+        key = (g.actor_id, g.seq)
+        at = stored_at.get(key)
+        if at is not None and at[0] >= oldest:
+            refs.append(list(at))
+            kept[key] = at
+        else:
+            refs.append(None)
             inline.append(g)
-    head = {"log_id": log_id + 1, "ref_log": log_id, "groups": len(groups), "refs": refs,
-            "meta": meta}  # fmt: skip
-    keep_from = log_id if len(inline) < len(groups) else log_id + 1
-    return SnapshotJob(directory, pack_record("snapshot", head, ()), inline, old_fd, keep_from,
-                       fsync)  # fmt: skip
+    head = {"log_id": log_id + 1, "groups": len(groups), "refs": refs, "meta": meta}
+    keep_from = min((at[0] for at in kept.values()), default=log_id + 1)
+    return SnapshotJob(directory, pack_record("snapshot", head, ()), inline, kept, old_fd,
+                       keep_from, fsync)  # fmt: skip
 
 
 @dataclass
@@ -127,6 +140,7 @@ class Loaded:
     keep_from: int
     num_groups: int
     num_referenced: int
+    refs: dict[Any, tuple[int, int, int]]  # (actor_id, seq) -> (log_id, offset, size)
 
 
 def load_snapshot(path: Path, state: HubState) -> Loaded:
@@ -136,16 +150,14 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
             records = read_records(f)
             _, op, head, _ = next(records)
             assert op == "snapshot", op
-            refs = head.get("refs") or [None] * head["groups"]
-            ref_log = head.get("ref_log", -1)
-            segment = segment_path(path.parent, ref_log)
-            seg = segment.open("rb") if any(r is not None for r in refs) else None
+            refs = [_where(r, head) for r in head.get("refs") or [None] * head["groups"]]
+            segments: dict[int, BinaryIO] = {}
             try:
                 frames = [next(records)[3] if r is None else
-                          _referenced(path, segment, seg, ref_log, *r) for r in refs]  # fmt: skip
+                          _referenced(path, segments, *r) for r in refs]  # fmt: skip
             finally:
-                if seg is not None:
-                    seg.close()
+                for f in segments.values():
+                    f.close()
         except (TornRecord, StopIteration) as exc:
             raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
         except FileNotFoundError as exc:
@@ -153,16 +165,27 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
                              "is missing") from exc  # fmt: skip
     groups = [_group(fs) for fs in frames]
     state.restore(head["meta"], groups)
-    referenced = len(refs) - refs.count(None)
-    keep_from = head["ref_log"] if referenced else head["log_id"]
-    return Loaded(head["log_id"], keep_from, len(groups), referenced)
+    where = {(g.actor_id, g.seq): r for g, r in zip(groups, refs, strict=True) if r is not None}
+    keep_from = min((r[0] for r in where.values()), default=head["log_id"])
+    return Loaded(head["log_id"], keep_from, len(groups), len(where), where)
 
 
-def _referenced(path: Path, segment: Path, f: BinaryIO | None, log_id: int, offset: int,
+def _where(ref: list[int] | None, head: dict[str, Any]) -> tuple[int, int, int] | None:
+    """A head's reference as (log_id, offset, size); [offset, size] is the earlier format,
+    into the segment `ref_log`."""
+    if ref is None:
+        return None
+    return (head["ref_log"], *ref) if len(ref) == 2 else tuple(ref)  # type: ignore[return-value]
+
+
+def _referenced(path: Path, segments: dict[int, BinaryIO], log_id: int, offset: int,
                 size: int) -> list[bytes]:  # fmt: skip
-    """The frames of the store record at `offset` of `segment`; a ValueError naming both files
-    and the offset when it is not there whole."""
-    assert f is not None
+    """The frames of the store record at `offset` of wal-`log_id`.log; a ValueError naming both
+    files and the offset when it is not there whole."""
+    segment = segment_path(path.parent, log_id)
+    f = segments.get(log_id)
+    if f is None:
+        f = segments[log_id] = segment.open("rb")
     try:
         record = read_record(f, offset, seed=log_id)
         why = "end of file" if record is None else ""

@@ -128,9 +128,12 @@ def push_big(state: HubState, seq: int) -> int:
 
 
 def open_wal(tmp_path: Path, background: bool, **kw: Any) -> tuple[HubState, WriteAheadLog]:
+    """A log in `tmp_path` and a state journaling to it, with actor "a" and a learner. Its
+    snapshots reference only the segment they close unless `keep_segments` says otherwise."""
     state = fresh()
     wal = WriteAheadLog(tmp_path, fsync=True, background=background,
-                        snapshot_log_bytes=kw.get("snapshot_log_bytes", 1 << 30))  # fmt: skip
+                        snapshot_log_bytes=kw.get("snapshot_log_bytes", 1 << 30),
+                        keep_segments=kw.get("keep_segments", 1))  # fmt: skip
     wal.recover(state)
     state.journal = wal.journal
     state.begin(1)

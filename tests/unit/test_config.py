@@ -56,6 +56,7 @@ def test_set_overrides_win_over_the_file(tmp_path: Path) -> None:
         ("", ["actor.concurrency=4", "actor.credit_window=2"], "actor.credit_window"),
         ("", ["actor.temperature=3.0"], "actor.temperature"),
         ("", ["run.num_actors=0"], "run.num_actors"),
+        ("", ["replay.snapshot_keep_segments=0"], "replay.snapshot_keep_segments"),
         ("", ["model.hidden_size=130"], "model.hidden_size"),
         ("", ["replay.max_staleness=1", "learner.publish_every=3"], "learner.publish_every"),
         ("", ["learner.groups_per_step=2", "learner.minibatches=3"], "learner.minibatches"),

@@ -26,6 +26,7 @@ from durability_cases import (
 
 from replay.durability import HEADER, WriteAheadLog, read_records
 from replay.snapshot import SnapshotJob
+from replay.wal_records import pack_record
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -40,7 +41,8 @@ def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
     snapshot = (tmp_path / "snapshot.bin").stat().st_size
     assert total > 500_000 and snapshot < 4096  # references, not copies
     head = snapshot_head(tmp_path)
-    assert head["log_id"] == 1 and head["ref_log"] == 0 and None not in head["refs"]
+    assert head["log_id"] == 1 and None not in head["refs"]
+    assert {r[0] for r in head["refs"]} == {0}  # all in wal-0
     assert sorted(p.name for p in tmp_path.glob("wal-*")) == ["wal-0.log", "wal-1.log"]
     again, found = recover(tmp_path)
     assert found.snapshot_groups == 8 and found.ops == 2 and not found.reason  # issue, store
@@ -54,9 +56,11 @@ def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
     assert current.stat().st_size == offsets(current, 1)[-1]  # cut after the last sound record
 
 
-def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path: Path,
+                                                                         keep: int) -> None:  # fmt: skip
     segment = 10 * 90_000
-    live, wal = open_wal(tmp_path, background=True, snapshot_log_bytes=segment)
+    live, wal = open_wal(tmp_path, background=True, snapshot_log_bytes=segment, keep_segments=keep)
     push_big(live, 0)
     assert len(live.hand_out(10**6, 1, float("inf"))) == 1  # lent for the whole test
     largest, heads = 0, []
@@ -72,12 +76,13 @@ def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path
             heads.append(snapshot_head(tmp_path))
         files = disk_bytes(tmp_path)
         largest = max(largest, sum(files))
-        assert len(files) <= 4  # the snapshot, two segments and the spare
+        assert len(files) <= keep + 3  # the snapshot, the kept segments, the current, the spare
     wal.close()
-    assert len(heads) >= 8 and largest < 3 * segment + 4 * 90_000 + 8192
+    assert len(heads) >= 8 and largest < (keep + 2) * segment + 4 * 90_000 + 8192
     assert all(len(h["refs"]) == h["groups"] for h in heads)
-    # the lent group is referenced while its segment is the one closing, then copied inline
-    assert [h["refs"].count(None) for h in heads] == [0] + [1] * (len(heads) - 1)
+    # the lent group is referenced while its segment is one of the `keep` newest closed ones,
+    # then copied inline
+    assert [h["refs"].count(None) for h in heads] == [0] * keep + [1] * (len(heads) - keep)
     again, found = recover(tmp_path)
     assert exported(again) == exported(live) and not found.reason
 
@@ -107,7 +112,8 @@ def test_a_crash_between_snapshot_steps_recovers_what_was_acknowledged(tmp_path:
     assert exported(state) == acknowledged and not found.reason
     assert names(crash) == ["LOCK", "snapshot.bin", "wal-0.log", "wal-1.log"]
     # the hub goes on there: it appends to wal-1, and its next snapshot starts wal-2 empty
-    state, wal = fresh(incarnation=2), WriteAheadLog(crash, fsync=True, snapshot_log_bytes=1 << 30)
+    state = fresh(incarnation=2)
+    wal = WriteAheadLog(crash, fsync=True, snapshot_log_bytes=1 << 30, keep_segments=1)
     wal.recover(state)
     state.journal = wal.journal
     (crash / "wal-2.log").write_bytes(b"stale records of a segment a crash left behind")
@@ -162,7 +168,8 @@ def test_a_damaged_referenced_record_is_a_damaged_snapshot(tmp_path: Path) -> No
         push_big(live, seq)
     wal.snapshot(live)
     wal.close()
-    offset, size = snapshot_head(tmp_path)["refs"][1]
+    log_id, offset, size = snapshot_head(tmp_path)["refs"][1]
+    assert log_id == 0
     segment = tmp_path / "wal-0.log"
     with segment.open("r+b") as f:  # flip one byte inside the second group's record
         f.seek(offset + size // 2)
@@ -207,3 +214,60 @@ def test_a_recycled_segment_never_replays_its_earlier_records(tmp_path: Path) ->
     torn, found = recover(tmp_path)
     assert "checksum" in found.reason and path.stat().st_size == ends[-2]
     assert not torn.is_resend("a", 12)
+
+
+def test_a_buffer_spanning_segments_is_referenced_not_rewritten(tmp_path: Path) -> None:
+    """Groups stored over three segments and never sampled: each snapshot references all of
+    them (none copied), keeps exactly the segments they are in, and a recovered hub's next
+    snapshot references them again."""
+    live, wal = open_wal(tmp_path, background=False, keep_segments=3)
+    for seq in range(9):
+        push_big(live, seq)
+        if seq % 3 == 2:
+            wal.snapshot(live)  # segments 0, 1, 2 closed, three groups each
+    head = snapshot_head(tmp_path)
+    assert head["log_id"] == 3 and None not in head["refs"]
+    assert sorted({r[0] for r in head["refs"]}) == [0, 1, 2]
+    assert (tmp_path / "snapshot.bin").stat().st_size < 4096  # references only
+    assert names(tmp_path) == ["LOCK", "snapshot.bin", "wal-0.log", "wal-1.log", "wal-2.log",
+                               "wal-3.log"]  # fmt: skip
+    push_big(live, 9)
+    wal.snapshot(live)  # wal-0 leaves the kept window: its groups are copied, it goes
+    head = snapshot_head(tmp_path)
+    assert head["refs"].count(None) == 3 and {r[0] for r in head["refs"] if r} == {1, 2, 3}
+    wal.close()
+    assert names(tmp_path) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log", "wal-3.log",
+                               "wal-4.log", "wal-spare-0.log"]  # fmt: skip
+    state = fresh(incarnation=2)
+    again = WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=1 << 30, keep_segments=3)
+    found = again.recover(state)
+    assert exported(state) == exported(live) and not found.reason
+    state.journal = again.journal
+    again.snapshot(state)  # wal-1's groups leave the window; wal-2, wal-3 still referenced
+    again.close()
+    head = snapshot_head(tmp_path)
+    assert head["refs"].count(None) == 6 and {r[0] for r in head["refs"] if r} == {2, 3}
+    final, found = recover(tmp_path)
+    assert exported(final) == exported(live) and not found.reason
+
+
+def test_a_snapshot_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
+    """Snapshots written before per-group segment ids: `ref_log` in the head, [offset, size]."""
+    live, wal = open_wal(tmp_path, background=False)
+    for seq in range(4):
+        push_big(live, seq)
+    wal.snapshot(live)
+    wal.close()
+    path = tmp_path / "snapshot.bin"
+    with path.open("rb") as f:
+        records = read_records(f)
+        _, _, head, _ = next(records)
+        rest = f.read()
+    assert all(r is not None and r[0] == 0 for r in head["refs"])
+    head["ref_log"] = 0
+    head["refs"] = [r[1:] for r in head["refs"]]
+    path.write_bytes(
+        b"".join(bytes(memoryview(p)) for p in pack_record("snapshot", head, ())) + rest
+    )
+    again, found = recover(tmp_path)
+    assert exported(again) == exported(live) and found.snapshot_groups == 4 and not found.reason
