@@ -19,15 +19,15 @@ On disk (`replay.state_dir`): `snapshot.bin` (absent before the first snapshot; 
 replay/snapshot.py), `wal-<N>.log` segments, at most one `wal-spare-<N>.log` and `LOCK` (one hub
 per directory). The snapshot names the segment replayed after it (`log_id` = K+1) and, per
 buffered or lent group, the segment and offset of its `store` record, if that is one of the
-`replay.snapshot_keep_segments` newest closed segments (K and before); groups stored earlier are
-copied into the snapshot. A new segment is the
-spare renamed and overwritten in place (its pages stay cached and its blocks allocated, so the
-log's writes allocate neither; its first record, `segment`, says it was recycled and each commit
-in it ends with an end marker, a header of zeros, before the file's earlier content) or, when
-there is none, a new file. Bound on disk use: the snapshot (meta, one reference per group, at
-most capacity groups copied inline) plus `snapshot_keep_segments` + 2 segments (the referenced
-ones up to wal-K, wal-K+1, the spare) of about `snapshot_log_bytes` each; one snapshot is written at a time (the loop waits for the previous
-one before it switches again), and while it is, snapshot.tmp too. Record format and checksums
+`replay.snapshot_keep_segments` newest closed segments (K and before); groups stored earlier
+are copied into the snapshot. A new segment is the spare renamed and overwritten in place (its
+pages stay cached and its blocks allocated, so the log's writes allocate neither; its first
+record, `segment`, says it was recycled and each commit in it ends with an end marker, a header
+of zeros, before the file's earlier content) or, when there is none, a new file. Bound on disk
+use: the snapshot (meta, one reference per group, at most capacity groups copied inline) plus
+`snapshot_keep_segments` + 2 segments (the referenced ones up to wal-K, wal-K+1, the spare) of
+about `snapshot_log_bytes` each; one snapshot is written at a time (the loop waits for the
+previous one before it switches again), and while it is, snapshot.tmp too. Record format and checksums
 (seeded with the segment id): replay/wal_records.py. Record kinds: one per HubState op in the
 log (`begin`, `store` with the group's wire frames, `issue`, `hand_out`, ...) plus `segment`;
 `snapshot` and `group` in the snapshot file.

@@ -156,8 +156,8 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
                 frames = [next(records)[3] if r is None else
                           _referenced(path, segments, *r) for r in refs]  # fmt: skip
             finally:
-                for f in segments.values():
-                    f.close()
+                for seg in segments.values():
+                    seg.close()
         except (TornRecord, StopIteration) as exc:
             raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
         except FileNotFoundError as exc:
