@@ -111,7 +111,8 @@ def test_snapshots_bound_the_log(tmp_path: Path, background: bool) -> None:
             wal.snapshot(state)
         largest = max(largest, sum(disk_bytes(tmp_path)))
     wal.close()
-    # three segments at most: the one the snapshot references, the current one, the spare
+    # groups here never outlive a segment, so three segments at most: the one the snapshot
+    # references, the current one, the spare
     assert wal.num_snapshots >= 5 and largest < 75 * size
     assert len(list(tmp_path.glob("wal-*.log"))) <= 3
     again, found = recover(tmp_path)
