@@ -117,6 +117,9 @@ def set_socket_options(
     sock.setsockopt(zmq.HEARTBEAT_TTL, 10 * ivl_ms)
 
 
+RESERVED_BELOW = 20000  # ports below are others' by default (Ray's workers: 10002-19999)
+
+
 def listen_port_range() -> tuple[int, int]:
     """[low, high) to pick a listening port from when none is given: below the kernel's
     ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which bind(0) and outgoing
@@ -132,9 +135,6 @@ def listen_port_range() -> tuple[int, int]:
     if first > RESERVED_BELOW + 1000:
         return RESERVED_BELOW, first
     return 49152, 65536  # an unusually wide ephemeral range: the IANA dynamic ports
-
-
-RESERVED_BELOW = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
