@@ -28,7 +28,7 @@ process: actor, hub (hub_loop: its main thread), learner; sender, relay, receive
 `cpu_busy_share` is that CPU time over the wall time of all the machine's CPUs: near 1, a
 variant is bound by CPU time, not by one hop, and `relay_cpu_over_hub_cpu` is then the
 `ratio_vs_relay` that CPU time alone predicts (median of the per-repetition ratios;
-`relay_cpu_over_hub_cpu_stats` gives their spread, narrower than the wall-clock ratio's). The
+`relay_cpu_over_hub_cpu_stats` gives their spread). The
 load average is recorded with every repetition, and so is the share of CPU time the host took
 from this virtual machine (steal).
 Writes bench/results/transport.json.
