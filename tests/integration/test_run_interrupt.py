@@ -37,6 +37,9 @@ def _start_run(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, dict[str, i
         cmd,
         cwd=tmp_path,
         start_new_session=True,
+        # as from a terminal: SIGHUP not ignored, even when pytest itself runs under nohup
+        # (`asyncrl run` keeps an inherited SIG_IGN on purpose, and would then run to its end)
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
