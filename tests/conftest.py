@@ -4,16 +4,29 @@
 session into a temporary directory, so tests never touch the user's model cache. Tests marked
 `gpu` are skipped, with the reason printed in the summary, when no CUDA device or no cupy is
 present.
+
+A pytest started as a background job of a script inherits SIGINT ignored, and so would every
+process it starts (Python keeps an inherited SIG_IGN, and so does `asyncrl run`): the tests that
+stop a process with SIGINT, as Ctrl-C does, would then wait on a process that never hears it.
+`pytest_configure` gives this process, and through it every child, SIGINT as a terminal's
+foreground job has it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
 
 from asyncrl.config import ModelConfig, TaskConfig
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT raises KeyboardInterrupt here, and children start with it at its default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
