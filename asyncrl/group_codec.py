@@ -152,7 +152,7 @@ def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
         == len(h.finish_reasons) == len(h.reward_failed) == n
     ):  # fmt: skip
         return None
-    metadata = _metadata(h.metadata)
+    metadata = raw_map(h.metadata)
     if metadata is None or (values and not _rules_ok(h, n)):
         return None
     num_tokens = sum(seq_lens)
@@ -181,8 +181,9 @@ def _rules_ok(h: _Head, n: int) -> bool:
     return not (spans and spans_problem(spans, lo, hi, list(map(_sub, seq_lens, prompt_lens))))
 
 
-def _metadata(raw: msgspec.Raw) -> dict[str, Any] | None:
-    """`metadata` decoded as the generic path decodes headers, or None if it is not a map."""
+def raw_map(raw: msgspec.Raw) -> dict[str, Any] | None:
+    """A free-form map field kept raw while parsing (a group's `metadata`, a credit's `info`),
+    decoded as the generic path decodes headers; None if it is not a map."""
     if bytes(raw) == _EMPTY_MAP:
         return {}
     try:

@@ -37,6 +37,7 @@ import msgpack
 import msgspec
 import numpy as np
 
+from asyncrl.credit_codec import decode_credits
 from asyncrl.group_codec import (
     check_group,
     decode_group,
@@ -222,10 +223,9 @@ def decode(
     """
     if not frames:
         raise ProtocolError("frames", "empty message")
-    try:
-        bufs = [f.buffer for f in frames]  # received zmq.Frames: already memoryviews
-    except AttributeError:  # bytes, memoryviews, arrays: anything with the buffer protocol
-        bufs = [memoryview(getattr(f, "buffer", f)) for f in frames]
+    # zmq.Frames, bytes, memoryviews, arrays: anything with the buffer protocol. A Frame's own
+    # `.buffer` would also make (and keep) a weak reference: twice the cost of the memoryview
+    bufs = list(map(memoryview, frames))
     total = sum([b.nbytes for b in bufs])
     if total > max_message_bytes:
         raise ProtocolError(
@@ -242,6 +242,9 @@ def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
     if group is not None:
         remember_frames(group, frames)
         return group
+    credits = None if index >= 0 else decode_credits(bufs)  # what actors decode most
+    if credits is not None:
+        return credits
     prefix = f"{path}[{index}]." if index >= 0 else ""
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)

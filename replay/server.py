@@ -88,6 +88,19 @@ log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
 ROLE_OF[WeightsAnnounce] = ROLE_OF[BatchAck] = "learner"
 ROLE_OF.update(observer.ROLE_OF)
+TURN_MESSAGES_MIN, TURN_MESSAGES_MAX = 16, 2000
+
+
+def turn_messages(groups_per_step: int, num_clients: int) -> int:
+    """How many waiting messages one turn of the hub's loop handles before it grants credits
+    and serves parked sample requests: one learner step's worth of groups, and at least one
+    message per client (the work between turns grows with the clients).
+
+    Handling a whole burst instead (up to TURN_MESSAGES_MAX) leaves the learner waiting for a
+    batch whose groups are already here, and the actors for the credits those groups freed,
+    while only the hub works: with 32 KB groups on two CPUs, one of them then idled a sixth of
+    the time, and the hub moved 15 % fewer groups per second (bench/transport.py)."""
+    return min(TURN_MESSAGES_MAX, max(TURN_MESSAGES_MIN, groups_per_step, num_clients))
 
 
 class Hub:
@@ -157,17 +170,24 @@ class Hub:
         try:
             while self.running:
                 poller.poll(tick_ms)  # wait for messages, a finished fsync or the next tick
-                if syncer is not None:
-                    syncer.drain()
-                self.receive_all()  # handle every waiting message, then send their acks
-                self.outbox.flush()  # peers whose pipes were full
-                self.expire_dead_clients(time.monotonic())
-                self.grant_credits()  # refill actors' credit windows, one message each
-                self.serve_parked()  # answer the sample requests that can be answered now
-                self.commit()  # durable: the turn's records on disk, then its acks and batches
-                self.obs.tick(time.monotonic())  # rates, /metrics once a second; evaluations due
+                self.turn()
         finally:
             self.close()
+
+    def turn(self) -> None:
+        """One turn of the loop: handle up to `turn_messages` waiting messages, then everything
+        that follows from them (acks, credits, batches, the durable commit)."""
+        syncer = self.wal.syncer if self.wal is not None else None
+        if syncer is not None:
+            syncer.drain()
+        steps = self.cfg.learner.groups_per_step
+        self.receive_all(turn_messages(steps, len(self.clients.by_identity)))  # then their acks
+        self.outbox.flush()  # peers whose pipes were full
+        self.expire_dead_clients(time.monotonic())
+        self.grant_credits()  # refill actors' credit windows, one message each
+        self.serve_parked()  # answer the sample requests that can be answered now
+        self.commit()  # durable: the turn's records on disk, then its acks and batches
+        self.obs.tick(time.monotonic())  # rates, /metrics once a second; evaluations due
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from signal handlers and other threads)."""
@@ -183,7 +203,7 @@ class Hub:
 
     # --- receiving ------------------------------------------------------------------------------
 
-    def receive_all(self, limit: int = 2000) -> None:
+    def receive_all(self, limit: int = TURN_MESSAGES_MAX) -> None:
         """Handle what is waiting (bounded), then send the burst's acks back to back (one per
         client that takes batched acks): a burst wakes the socket's I/O thread once."""
         sock, handle = self.sock, self.handle

@@ -281,3 +281,56 @@ def test_transport_reexports_the_connection_and_tunes_malloc_safely() -> None:
 
     assert transport.HubConnection is hub_connection.HubConnection is HubConnection
     assert transport.keep_freed_buffers() in (True, False)  # False where libc is not glibc
+
+
+def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
+    """A learner waiting for a batch gets it in the turn its groups arrive in, not after the
+    rest of the burst behind them; a turn takes at most `turn_messages` messages."""
+    import zmq
+
+    from asyncrl.config import load_config
+    from asyncrl.protocol import PROTOCOL_VERSION, Hello, SampleRequest, Welcome, decode, encode
+    from replay.server import Hub, turn_messages
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99)))  # fmt: skip
+    cfg = load_config(None, ["learner.groups_per_step=8", "replay.max_staleness=1000"])
+    hub = Hub(cfg, dataset, bind="tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    peers = {}
+    try:
+        for role, concurrency in (("learner", 0), ("actor", 64)):
+            sock = peers[role] = ctx.socket(zmq.DEALER)
+            sock.connect(hub.endpoint)
+            sock.send_multipart(encode(Hello(role=role, client_id=role, protocol_version=PROTOCOL_VERSION,
+                                             config_hash=hub.config_hash, concurrency=concurrency)))  # fmt: skip
+        items: list = []
+        deadline = time.monotonic() + WAIT_S
+        while len(items) < 64:  # the actor's Welcome and credits
+            assert time.monotonic() < deadline, f"{len(items)} credits"
+            hub.turn()
+            while peers["actor"].poll(10):
+                msg = decode(peers["actor"].recv_multipart())
+                items += [] if isinstance(msg, Welcome) else msg.items
+        assert peers["learner"].poll(int(WAIT_S * 1000))
+        assert isinstance(decode(peers["learner"].recv_multipart()), Welcome)
+        peers["learner"].send_multipart(encode(SampleRequest(request_id=1, policy_version=0, num_groups=8)))  # fmt: skip
+        while not hub.parked:  # the request waits at the hub before any group comes
+            hub.turn()
+        for seq, item in enumerate(items):  # one burst of 64 groups
+            peers["actor"].send_multipart(encode(make_group("actor", seq, item, 0)))
+        turn = turn_messages(8, 2)
+        assert turn == 16
+        while hub.counters["groups_consumed"] == 0:  # turns until the batch is handed out
+            assert time.monotonic() < deadline, "no batch"
+            before = hub.counters["groups_received"]
+            hub.turn()
+            assert hub.counters["groups_received"] - before <= turn
+        assert hub.counters["groups_received"] < len(items)  # the rest of the burst waits
+        assert peers["learner"].poll(int(WAIT_S * 1000))
+        assert len(decode(peers["learner"].recv_multipart()).groups) == 8
+    finally:
+        for sock in peers.values():
+            sock.close(linger=0)
+        ctx.term()
+        hub.close()

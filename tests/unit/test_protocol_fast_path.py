@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 from golden_wire import GOLDEN_COMPONENTS_HEADER, GOLDEN_MESSAGES, GROUP
 from hypothesis import given
-from wire_cases import FAST, edited, groups, header, rejected, same, wire
+from wire_cases import FAST, builds, edited, groups, header, rejected, same, wire
 
+from asyncrl.credit_codec import decode_credits
 from asyncrl.group_codec import decode_group
 from asyncrl.protocol import (
     Ack,
     Batch,
+    CreditItem,
+    Credits,
     Group,
     ProtocolError,
     Trajectory,
@@ -106,6 +109,41 @@ def test_compiled_fast_path_takes_only_what_the_generic_path_takes() -> None:
     later = msgpack.packb({**head, "later": 1})  # a field appended by a newer peer
     assert not fast(later) and same(decode([later, *frames[1:]]), GROUP)
     assert fast(frames[0]) and fast(msgpack.packb({**head, "timings": {"t": 1}}))
+
+
+@FAST
+@given(builds(Credits))
+def test_fast_and_generic_credits_paths_agree(credits: Credits) -> None:
+    frames = wire(credits)
+    fast = decode_credits(list(map(memoryview, frames)))
+    assert fast is not None and same(fast, credits) and same(decode(frames), credits)
+    later = msgpack.packb({**header(credits), "later": 1})  # unknown key: the generic path
+    assert decode_credits([memoryview(later)]) is None and same(decode([later]), credits)
+
+
+def test_credits_fast_path_takes_only_what_the_generic_path_takes() -> None:
+    item = CreditItem(credit_id=7, prompt_id="p", prompt="x", seed=3, info={"k": [1, {"a": 2}]})
+    head = header(Credits(group_size=8, policy_version=0, items=(item,)))
+    one = head["items"][0]
+    refused = {  # edited header -> the field the generic path names
+        "group_size": {**head, "group_size": True},
+        "items[0].seed": {**head, "items": [{**one, "seed": 1.0}]},
+        "items[0].prompt": {**head, "items": [{**one, "prompt": b"x"}]},
+        "items[0].credit_id": {**head, "items": [{k: v for k, v in one.items() if k != "credit_id"}]},
+        "items[0]": {**head, "items": [7]},
+    }  # fmt: skip
+    for field, edited_head in refused.items():
+        raw = msgpack.packb(edited_head)
+        assert decode_credits([memoryview(raw)]) is None
+        assert rejected([raw]).field == field
+    odd_info = msgpack.packb({**head, "items": [{**one, "info": {1: 2}}]})
+    assert decode_credits([memoryview(odd_info)]) is None and rejected([odd_info]).field == "header"
+    assert decode_credits([memoryview(msgpack.packb(head)), memoryview(b"")]) is None
+    bytes_key = msgpack.packb(
+        {**head, "items": [{**one, "info": {b"k": 1}}]}
+    )  # as the generic path
+    assert decode_credits([memoryview(bytes_key)]).items[0].info == {b"k": 1}
+    assert decode([bytes_key]).items[0].info == {b"k": 1}
 
 
 def test_version_spans_must_describe_the_versions() -> None:
