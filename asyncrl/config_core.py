@@ -209,6 +209,10 @@ class ReplayConfig:
     """Largest message accepted (ZMQ_MAXMSGSIZE and codec check)."""
     hwm: int = 10000
     """ZeroMQ send/receive high-water marks, in messages."""
+    pack_frames_below: int = 128 * 1024
+    """A `Batch` whose frames average fewer bytes than this goes to the learner as one frame
+    (a copy of its bytes instead of ZeroMQ's work per frame: asyncrl/frame_packing.py); 0 =
+    never. 32 KB and 256 KB groups are packed by default, 2 MB groups are not."""
     auth_dir: str = ""
     """Directory with CURVE keys (`asyncrl keygen`); empty = no auth, loopback only."""
     durability: Literal["volatile", "durable"] = "volatile"
@@ -290,6 +294,7 @@ class ReplayConfig:
             self.max_message_bytes,
         )
         require(self.hwm >= 1, "replay.hwm", "must be >= 1", self.hwm)
+        require(self.pack_frames_below >= 0, "replay.pack_frames_below", "must be >= 0 (0 = never)", self.pack_frames_below)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

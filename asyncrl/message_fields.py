@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: a Batch embeds its groups as whole Group messages
+PROTOCOL_VERSION = 3  # 2: a Batch embeds its groups as whole Group messages; 3: packed Batch
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit", "tool_error", "timeout")
 ROLES = ("actor", "learner", "client")

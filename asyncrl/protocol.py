@@ -8,7 +8,9 @@ not in the header; the header holds a reference ``{"dtype", "shape", "frame"}`` 
 that carries groups (a `Batch`) embeds each as a whole Group message: its header lists how
 many frames each group takes (``"groups": [4, 4, ...]``) and those frames follow, each group's
 header first, its array references counted from its own header (protocol 2; a hub forwards
-the frames it received). Nothing is ever pickled. Every name of asyncrl/messages.py is
+the frames it received). A Batch may come packed: all its frames after the header in one,
+their sizes in the header's ``"packed"`` (protocol 3; asyncrl/frame_packing.py). Nothing is
+ever pickled. Every name of asyncrl/messages.py is
 re-exported here.
 
 Evolution: fields are only appended, with defaults; a decoder ignores header keys it does not
@@ -37,6 +39,7 @@ import msgpack
 import msgspec
 import numpy as np
 
+from asyncrl import frame_packing
 from asyncrl.credit_codec import decode_credits
 from asyncrl.group_codec import (
     check_group,
@@ -143,12 +146,18 @@ def _embed(group: Group, frames: list[Any]) -> int:
 _PLANS: dict[type, _Plan] = {cls: _plan_of(cls) for cls in SPECS}
 
 
-def encode(msg: Message) -> list[Any]:
-    """Message -> frames: [msgpack header, raw array buffers...]. Arrays are not copied."""
+def encode(msg: Message, pack_below: int = 0) -> list[Any]:
+    """Message -> frames: [msgpack header, raw array buffers...]. Arrays are not copied, unless
+    a `Batch` whose frames average fewer than `pack_below` bytes is packed into one frame
+    (asyncrl/frame_packing.py)."""
     frames: list[Any] = [b""]
     header = encode_group(msg, frames) if type(msg) is Group else _encode_obj(msg, frames)
     header["type"] = msg.TYPE
     header["protocol"] = PROTOCOL_VERSION
+    packed = frame_packing.pack(frames, pack_below) if type(msg) is Batch else None
+    if packed is not None:
+        header[frame_packing.PACKED], body = packed
+        frames[1:] = [body]
     frames[0] = _pack(header)
     return frames
 
@@ -265,6 +274,10 @@ def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
     cls = BY_NAME.get(name) if type(name) is str else None
     if cls is None or (prefix and cls is not Group):  # only groups are embedded
         raise ProtocolError(prefix + "type", f"unknown message type {name!r}")
+    if frame_packing.PACKED in header:
+        if cls is not Batch or prefix:
+            raise ProtocolError(prefix + frame_packing.PACKED, "only a whole Batch may be packed")
+        bufs = frame_packing.unpack(header.pop(frame_packing.PACKED), bufs)
     used: set[int] = set()
     msg = _decode_obj(cls, header, bufs, used, prefix, values)
     if len(used) != len(bufs) - 1:

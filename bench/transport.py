@@ -10,6 +10,9 @@ noise hits every variant alike:
                the learner checks structure and sizes (the hub scanned the values already).
 - `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
                directory, fsync per group commit): `durable_over_volatile` = hub_durable / hub.
+- `hub_unpacked` (only when named in `--variants`): the hub with `replay.pack_frames_below=0`,
+               every batch as four frames per group; run beside `hub` it measures what packing
+               a batch into one frame (asyncrl/frame_packing.py) buys (`packed_over_unpacked_*`).
 - `raw`:       a PUSH process sends the same frames (encoded header + three array buffers) to a
                PULL socket in this process: one hop, no validation. `ratio` = hub / raw.
 - `raw_relay`: the same through a `zmq.proxy` forwarder process: two hops at C speed, the
@@ -80,6 +83,7 @@ from transport_peers import (  # noqa: E402
 )
 
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
+EXTRA_VARIANTS = ("hub_unpacked",)  # only when asked for: `--variants hub,hub_unpacked`
 IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
 
 
@@ -168,6 +172,7 @@ def run_raw(group_bytes: int, count: int, relay: bool, cpu_parts: list[dict[str,
 
 
 DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fsync="commit"']
+UNPACKED = ["replay.pack_frames_below=0"]  # batches as four frames per group, never one
 
 
 def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subprocess.Popen, str]:
@@ -195,7 +200,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     count -= count % batch
     overrides = overrides_for(actual, batch)
     hubs = {}
-    for name, extra in (("hub", []), ("hub_durable", DURABLE)):
+    for name, extra in (("hub", []), ("hub_durable", DURABLE), ("hub_unpacked", UNPACKED)):
         if name not in args.variants.split(","):
             continue
         state_dir = tmp / f"state-{actual}"
@@ -209,7 +214,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         hub["learner"].start()
         hubs[name] = hub
     times: dict[str, list[float]] = {
-        name: [] for name in VARIANTS if name in args.variants.split(",")
+        name: [] for name in VARIANTS + EXTRA_VARIANTS if name in args.variants.split(",")
     }
     cpus: dict[str, list[float]] = {name: [] for name in times}
     loads: list[float] = []  # 1-minute load average after each measured repetition
@@ -241,8 +246,9 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
             hub["learner"].close()
             hub["proc"].terminate()
             hub["proc"].wait()
-    if set(times) != set(VARIANTS) or not args.reps:
-        return {"group_bytes": actual, "partial": True}  # a profiling run, not a result
+    packing = packing_ab(times, cpus, hubs, count) if {"hub", "hub_unpacked"} <= set(times) else {}
+    if set(times) - set(EXTRA_VARIANTS) != set(VARIANTS) or not args.reps:
+        return {"group_bytes": actual, "partial": True, **packing}  # not a full result
     gps = {k: [count / t for t in v] for k, v in times.items()}
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
@@ -281,6 +287,26 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     }  # fmt: skip
 
 
+def packing_ab(times: dict[str, list[float]], cpus: dict[str, list[float]],
+               hubs: dict[str, Any], count: int) -> dict[str, Any]:  # fmt: skip
+    """`hub` (batches packed as `replay.pack_frames_below` says) against `hub_unpacked` (never),
+    repetition by repetition: throughput and CPU time per group, by process."""
+    if not times["hub"]:
+        return {}
+    speed = [u / p for p, u in zip(times["hub"], times["hub_unpacked"], strict=True)]
+    cpu = [p / u for p, u in zip(cpus["hub"], cpus["hub_unpacked"], strict=True)]
+    return {
+        "packed_over_unpacked_groups_per_s": spread(speed),
+        "packed_over_unpacked_cpu": spread(cpu),
+        "packed_groups_per_s": statistics.median(count / t for t in times["hub"]),
+        "unpacked_groups_per_s": statistics.median(count / t for t in times["hub_unpacked"]),
+        **{f"{name}_cpu_us_per_group_by_process": {
+            k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
+            for k in ("actor", "hub", "hub_loop", "learner")
+        } for name in ("hub", "hub_unpacked")},
+    }  # fmt: skip
+
+
 TARGETS = {"ratio_vs_relay": 0.8, "hub_groups_per_s_32k": 10_000, "durable_over_volatile_256k": 0.7}
 
 
@@ -308,7 +334,8 @@ def main() -> None:
     p.add_argument(
         "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
     )
-    p.add_argument("--variants", default=",".join(VARIANTS), help="subset to run (profiling)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"subset to run (profiling), or more: {', '.join(EXTRA_VARIANTS)}")  # fmt: skip
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()

@@ -389,7 +389,7 @@ class Hub:
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: Message) -> None:
-        self.outbox.send(identity, encode(msg))
+        self.outbox.send(identity, encode(msg, self.cfg.replay.pack_frames_below))
 
     def send_committed(self, identity: bytes, msg: Message) -> None:
         """Send a message that promises state (an Ack, a Batch): in durable mode only after the

@@ -23,6 +23,7 @@ from hub_cases import (
     HubProcess,
     advance,
     make_group,
+    raw_actor,
     sample,
     stats,
 )
@@ -213,27 +214,6 @@ def test_binding_beyond_loopback_needs_auth(tmp_path: Path) -> None:
         sock.close(linger=0)
     finally:
         ctx.term()
-
-
-def raw_actor(hub: HubProcess, client_id: str, batched_acks: bool) -> tuple[object, list]:
-    """A bare DEALER that says Hello like an actor (optionally without batched acks)."""
-    import zmq
-
-    from asyncrl.protocol import PROTOCOL_VERSION, Hello, Welcome, decode, encode
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(hub.endpoint)
-    sock.send_multipart(encode(Hello(role="actor", client_id=client_id, protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash, concurrency=6,
-                                     batched_acks=batched_acks)))  # fmt: skip
-    items: list = []
-    while len(items) < 6:
-        assert sock.poll(int(WAIT_S * 1000)), "no Welcome or Credits"
-        msg = decode(sock.recv_multipart())
-        assert isinstance(msg, (Welcome, Credits)), msg
-        items += msg.items if isinstance(msg, Credits) else []
-    return sock, items
 
 
 def test_acks_cover_every_group_batched_only_when_asked(tmp_path: Path, hubs: list) -> None:
