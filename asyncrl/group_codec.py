@@ -31,9 +31,14 @@ What a valid group is (`check_group` states it field by field):
 - `reward_components` maps names to one finite value per trajectory (empty = not recorded,
   and then off the wire).
 
-The value rules (ids, masks, logprobs) scan the arrays: one or two scans per array, the only
-per-byte work of a decode. `values=False` is for bytes the hub checked when they arrived (groups
-inside a `Batch`, records read back from the hub's own log): the fast path then skips the value
+The value rules (ids, masks, logprobs) scan the arrays: the only per-byte work of a decode.
+After msgspec, the fast path is one call into asyncrl/_hotpath.c where that module was built
+(setup.py; it needs a C compiler): the length rules, the rules between fields, the array
+references and sizes, one pass over each array and the Group itself. `finish_group` below is
+the same in Python and numpy, the reference that tests/unit/test_hotpath.py holds the compiled
+one to, and what runs where it was not built.
+
+`values=False` is for bytes the hub checked when they arrived (groups inside a `Batch`, records read back from the hub's own log): the fast path then skips the value
 scans and the rules between fields, and still checks types, list lengths and array sizes, so a
 decoded group is always safe to index (and the rules on single values, which parsing checks at
 no cost).
@@ -54,6 +59,11 @@ import msgspec
 import numpy as np
 
 from asyncrl.messages import FINISH_REASONS, PROTOCOL_VERSION, Group, ProtocolError
+
+try:
+    from asyncrl import _hotpath
+except ImportError:  # installed without a C compiler (setup.py): the Python below does it all
+    _hotpath = None
 
 LOGPROB_SLACK = 1e-3  # behaviour logprobs are <= 0 up to float rounding
 GROUP_ARRAYS = (("tokens", "int32"), ("loss_mask", "uint8"), ("behavior_logprobs", "float32"))
@@ -143,6 +153,12 @@ def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
         h = _HEAD.decode(bufs[0])
     except _PARSE_ERRORS:
         return None
+    return _finish(h, bufs, values)
+
+
+def finish_group(h: _Head, bufs: list[memoryview], values: bool) -> Group | None:
+    """A parsed header and its frames as a Group, or None: the reference for
+    asyncrl/_hotpath.c's `finish_group`, which does the same in one call where it was built."""
     if h.type != "Group" or h.protocol != PROTOCOL_VERSION or len(bufs) != 4:
         return None
     seq_lens, prompt_lens, lo, hi = h.seq_lens, h.prompt_lens, h.min_policy_versions, h.max_policy_versions  # fmt: skip
@@ -216,6 +232,13 @@ def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: li
         last_t = t
     return ""
 
+
+if _hotpath is not None:
+    _hotpath.configure(tuple(f.name for f in dataclasses.fields(Group)), PROTOCOL_VERSION,
+                       LOGPROB_SLACK, Group, raw_map, spans_problem, np.frombuffer, _I32, _U8, _F32)  # fmt: skip
+    _finish = _hotpath.finish_group
+else:
+    _finish = finish_group
 
 EPISODE_LISTS = ("num_turns", "tool_s", "env_s")
 OPTIONAL_LISTS = (*EPISODE_LISTS, "version_spans")

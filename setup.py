@@ -1,0 +1,17 @@
+"""Build of asyncrl's one compiled module (the rest of the project is in pyproject.toml).
+
+asyncrl/_hotpath.c is the hub's per-group value scan. It is optional: without a C compiler the
+install goes on and asyncrl/group_codec.py scans with numpy instead (same answers, slower)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "asyncrl._hotpath",
+            sources=["asyncrl/_hotpath.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall"],
+            optional=True,
+        )
+    ]
+)
