@@ -270,7 +270,8 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
 
     from asyncrl.config import load_config
     from asyncrl.protocol import PROTOCOL_VERSION, Hello, SampleRequest, Welcome, decode, encode
-    from replay.server import Hub, turn_messages
+    from replay.pacing import turn_messages
+    from replay.server import Hub
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99)))  # fmt: skip
@@ -311,6 +312,60 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
         assert len(decode(peers["learner"].recv_multipart()).groups) == 8
     finally:
         for sock in peers.values():
+            sock.close(linger=0)
+        ctx.term()
+        hub.close()
+
+
+def test_credits_are_topped_up_a_quarter_window_at_a_time(tmp_path: Path) -> None:
+    """An actor with a window of 16 gets no Credits after each group, only once 4 slots are
+    free (`refill_at`), and then all of them; a window of 3 is refilled after every group."""
+    import zmq
+
+    from asyncrl.config import load_config
+    from asyncrl.protocol import PROTOCOL_VERSION, Hello, decode, encode
+    from replay.pacing import refill_at
+    from replay.server import Hub
+
+    assert [refill_at(w) for w in (1, 3, 4, 16, 512)] == [1, 1, 1, 4, 128]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99)))  # fmt: skip
+    cfg = load_config(None, ["learner.groups_per_step=8", "replay.max_staleness=1000"])
+    hub = Hub(cfg, dataset, bind="tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for name, window in (("wide", 16), ("narrow", 3)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(hub.endpoint)
+            sock.send_multipart(encode(Hello(role="actor", client_id=name, protocol_version=PROTOCOL_VERSION,
+                                             config_hash=hub.config_hash, concurrency=window)))  # fmt: skip
+            socks.append(sock)
+
+        def credits_after_turns(sock: zmq.Socket, turns: int = 5) -> list:
+            items = []
+            for _ in range(turns):
+                hub.turn()
+                while sock.poll(20):
+                    msg = decode(sock.recv_multipart())
+                    items += msg.items if isinstance(msg, Credits) else []
+            return items
+
+        for sock, window, name in zip(socks, (16, 3), ("wide", "narrow"), strict=True):
+            held = credits_after_turns(sock)
+            assert len(held) == window  # the whole window at first
+            refill, seq = {16: 4, 3: 1}[window], 0
+            for spent in range(1, refill + 1):
+                item = held.pop(0)
+                sock.send_multipart(encode(make_group(name, seq, item, 0)))
+                seq += 1
+                got = credits_after_turns(sock)
+                if spent < refill:
+                    assert got == [], f"{name}: topped up after {spent} group(s)"
+                else:
+                    assert len(got) == spent, f"{name}: {len(got)} credits for {spent} free slots"
+    finally:
+        for sock in socks:
             sock.close(linger=0)
         ctx.term()
         hub.close()
