@@ -1,14 +1,20 @@
-/* asyncrl._hotpath: the hub's per-group value scan, compiled.
+/* asyncrl._hotpath: the end of the group fast path, compiled.
 
-   `values_ok(tokens, loss_mask, behavior_logprobs, slack)` takes the three array frames of a
-   received group (anything with the buffer protocol: zmq.Frame, memoryview, bytes) and returns
-   True when every token id is >= 0, every loss-mask byte is 0 or 1 and every behaviour logprob
-   is a number in (-inf, slack] (slack rounded to float32, as numpy compares): NaN fails. One pass per array, no temporaries; the frames need
-   not be aligned. False otherwise, also for a size that is not a whole number of elements.
+   `finish_group(head, bufs, values)` takes a Group header that msgspec has parsed (group_codec's
+   `_Head`) and the message's four frames, and does everything group_codec.finish_group does:
+   the length rules, the rules between fields (values=True), array references and frame sizes,
+   the value scan, and the Group itself (no __init__). It answers None for anything unusual; the
+   generic decoder then decides and names the field. `configure(...)` hands it, once at import,
+   what it needs from group_codec (Group's fields, the protocol version, the slack, helpers).
 
-   asyncrl/group_codec.py uses it on the hub's fast path and falls back to numpy scans (the
-   reference, same answers: tests/unit/test_hotpath.py) where the module was not built.
-   It holds no state and never keeps a reference to its arguments. */
+   `values_ok(tokens, loss_mask, behavior_logprobs, slack)` is the value scan alone, for the
+   tests: True when every token id is >= 0, every loss-mask byte is 0 or 1 and every behaviour
+   logprob is a number in (-inf, slack] (slack rounded to float32, as numpy compares): NaN fails.
+   One pass per array, no temporaries; the frames need not be aligned. False otherwise, also
+   for a size that is not a whole number of elements.
+
+   tests/unit/test_hotpath.py holds both to the Python and numpy reference. Apart from what
+   `configure` gave it, the module keeps no reference to its arguments. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -168,7 +174,7 @@ static PyObject *configure(PyObject *self, PyObject *args) {
             || !(G.ref_frame = PyUnicode_InternFromString("frame"))) {
             return NULL;
         }
-    } else { /* configured again (tests): drop the old references */
+    } else { /* configured again (group_codec reloaded): drop the old references */
         Py_CLEAR(G.fields);
         Py_CLEAR(G.group);
         Py_CLEAR(G.raw_map);
@@ -471,7 +477,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "asyncrl._hotpath",
-    "The hub's per-group value scan, compiled (asyncrl/_hotpath.c).", -1, methods,
+    "The end of the group fast path, compiled (asyncrl/_hotpath.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__hotpath(void) { return PyModule_Create(&module); }

@@ -38,8 +38,9 @@ references and sizes, one pass over each array and the Group itself. `finish_gro
 the same in Python and numpy, the reference that tests/unit/test_hotpath.py holds the compiled
 one to, and what runs where it was not built.
 
-`values=False` is for bytes the hub checked when they arrived (groups inside a `Batch`, records read back from the hub's own log): the fast path then skips the value
-scans and the rules between fields, and still checks types, list lengths and array sizes, so a
+`values=False` is for bytes the hub checked when they arrived (groups inside a `Batch`, records
+read back from the hub's own log): the fast path then skips the value scans and the rules
+between fields, and still checks types, list lengths and array sizes, so a
 decoded group is always safe to index (and the rules on single values, which parsing checks at
 no cost).
 """

@@ -347,11 +347,14 @@ class Hub:
         if self.obs.paused:  # an alarm or an operator paused the actors
             return
         credits = self.state.credits
-        actors = [c for c in self.clients.actors()
-                  if c.concurrency - credits.held_by(c.identity) >= refill_at(c.concurrency)]  # fmt: skip
+        actors, free = [], {}
+        for c in self.clients.actors():
+            n = c.concurrency - credits.held_by(c.identity)
+            if n >= refill_at(c.concurrency):
+                actors.append(c)
+                free[c.identity] = n
         if not actors:
             return
-        free = {c.identity: c.concurrency - credits.held_by(c.identity) for c in actors}
         versions = {c.identity: generation_version(self.policy_version, c.loaded_version)
                     for c in actors}  # fmt: skip
         rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
