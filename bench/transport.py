@@ -5,7 +5,8 @@ noise hits every variant alike:
 
 - `hub`:       an actor process pushes groups with credits (`HubConnection`) into a real hub
                process (`python -m asyncrl replay`); this process samples them as the learner
-               (`SampleRequest` -> `Batch`, IN_FLIGHT requests in flight) and decodes every batch.
+               (`SampleRequest` -> `Batch`, `learner_in_flight` requests in flight: as many batches
+               as make the 64 MB the actor keeps in flight, at least 4) and decodes every batch.
                Two hops, acks and credits included; the hub validates every group in full,
                the learner checks structure and sizes (the hub scanned the values already).
 - `hub_durable`: the same with `replay.durability = "durable"` (write-ahead log in a temporary
@@ -84,7 +85,20 @@ from transport_peers import (  # noqa: E402
 
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
 EXTRA_VARIANTS = ("hub_unpacked",)  # only when asked for: `--variants hub,hub_unpacked`
-IN_FLIGHT = 4  # sample requests the learner keeps in flight (hides a durable hub's fsync latency)
+ACTOR_IN_FLIGHT_BYTES = 64 << 20  # groups the actor keeps in flight
+LEARNER_IN_FLIGHT_BYTES = 64 << 20  # batches the learner keeps requested (hides commit latency)
+
+
+def learner_in_flight(group_bytes: int, batch: int, fixed: int = 0) -> int:
+    """Sample requests the learner keeps outstanding (`fixed`, or as many batches as make
+    LEARNER_IN_FLIGHT_BYTES, what the actor keeps in flight, and at least 4): 32 at 32 KB, 16
+    at 256 KB, 8 at 2 MB. A durable hub sends a batch only once the log before it is on disk,
+    so the learner must keep enough requested to cover that wait. Against a fixed 4, in three
+    alternating runs each (bench/results/transport_in_flight.json): durable / volatile at
+    256 KB 0.75 against 0.73 (medians; the spread of one run, 0.68-0.88, is wider than
+    that), volatile at 32 KB 16,700 against 15,900 groups/s, durable at 32 KB 11,200 against
+    9,900."""
+    return fixed or max(4, LEARNER_IN_FLIGHT_BYTES // (batch * group_bytes))
 
 
 # --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
@@ -94,7 +108,8 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
             rep: str) -> tuple[float, float]:  # fmt: skip
     ctx = mp.get_context("spawn")
     ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
-    concurrency = max(2 * batch, min(512, (64 << 20) // group_bytes))
+    concurrency = max(2 * batch, min(512, ACTOR_IN_FLIGHT_BYTES // group_bytes))
+    depth = learner_in_flight(group_bytes, batch, hub["learner_in_flight"])
     proc = ctx.Process(target=actor_main, args=(hub["endpoint"], hub["hash"], group_bytes, concurrency,
                                                 count, f"actor-{rep}", ready, go, cpu))  # fmt: skip
     proc.start()
@@ -106,7 +121,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     go.set()
     received, request_id, in_flight = 0, hub["request_id"], 0
     while received < count:
-        while in_flight < IN_FLIGHT and received + in_flight * batch < count:
+        while in_flight < depth and received + in_flight * batch < count:
             request_id += 1
             learner.send(SampleRequest(request_id=request_id, policy_version=0, num_groups=batch))
             in_flight += 1
@@ -208,7 +223,8 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         profile = f"{args.profile_hub}.{name}.{actual}" if args.profile_hub else ""
         proc, endpoint = start_hub(tmp, overrides + extra, profile)
         hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
-               "request_id": 0, "pid": proc.pid, "proc": proc}  # fmt: skip
+               "request_id": 0, "pid": proc.pid, "proc": proc,
+               "learner_in_flight": args.learner_in_flight}  # fmt: skip
         hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
                                        config_hash=hub["hash"])  # fmt: skip
         hub["learner"].start()
@@ -247,8 +263,18 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
             hub["proc"].terminate()
             hub["proc"].wait()
     packing = packing_ab(times, cpus, hubs, count) if {"hub", "hub_unpacked"} <= set(times) else {}
+    depth = learner_in_flight(actual, batch, args.learner_in_flight)
     if set(times) - set(EXTRA_VARIANTS) != set(VARIANTS) or not args.reps:
-        return {"group_bytes": actual, "partial": True, **packing}  # not a full result
+        durable_ab = (
+            durable_vs_volatile(times, count) if {"hub", "hub_durable"} <= set(times) else {}
+        )
+        return {
+            "group_bytes": actual,
+            "partial": True,
+            "learner_in_flight": depth,
+            **packing,
+            **durable_ab,
+        }  # not a full result
     gps = {k: [count / t for t in v] for k, v in times.items()}
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
@@ -258,6 +284,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     cpu_ratios = [r / h for h, r in zip(cpus["hub"], cpus["raw_relay"], strict=True)]
     return {
         "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
+        "learner_in_flight": depth,
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
@@ -285,6 +312,19 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "relay_cpu_over_hub_cpu": statistics.median(cpu_ratios),
         "relay_cpu_over_hub_cpu_stats": spread(cpu_ratios),
     }  # fmt: skip
+
+
+def durable_vs_volatile(times: dict[str, list[float]], count: int) -> dict[str, Any]:
+    """`hub_durable` against `hub`, repetition by repetition (a run of just those two)."""
+    if not times["hub"]:
+        return {}
+    ratio = [h / d for h, d in zip(times["hub"], times["hub_durable"], strict=True)]
+    return {
+        "durable_over_volatile": statistics.median(ratio),
+        "durable_over_volatile_stats": spread(ratio),
+        "hub_groups_per_s": statistics.median(count / t for t in times["hub"]),
+        "hub_durable_groups_per_s": statistics.median(count / t for t in times["hub_durable"]),
+    }
 
 
 def packing_ab(times: dict[str, list[float]], cpus: dict[str, list[float]],
@@ -336,6 +376,12 @@ def main() -> None:
     )
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"subset to run (profiling), or more: {', '.join(EXTRA_VARIANTS)}")  # fmt: skip
+    p.add_argument(
+        "--learner-in-flight",
+        type=int,
+        default=0,
+        help="sample requests the learner keeps out (0: 64 MB worth, at least 4)",
+    )
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
