@@ -95,8 +95,8 @@ def learner_in_flight(group_bytes: int, batch: int, fixed: int = 0) -> int:
     at 256 KB, 8 at 2 MB. A durable hub sends a batch only once the log before it is on disk,
     so the learner must keep enough requested to cover that wait. Against a fixed 4, in three
     alternating runs each (bench/results/transport_in_flight.json): durable / volatile at
-    256 KB 0.75 against 0.73 (medians; the spread of one run, 0.68-0.88, is wider than
-    that), volatile at 32 KB 16,700 against 15,900 groups/s, durable at 32 KB 11,200 against
+    256 KB 0.75 against 0.73 (medians; the three runs at 64 MB spread 0.68-0.88, wider
+    than that), volatile at 32 KB 16,700 against 15,900 groups/s, durable at 32 KB 11,200 against
     9,900."""
     return fixed or max(4, LEARNER_IN_FLIGHT_BYTES // (batch * group_bytes))
 
