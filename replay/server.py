@@ -54,7 +54,6 @@ from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol import (
     Batch,
     BatchAck,
-    Bye,
     CreditReturn,
     Credits,
     Error,
@@ -70,8 +69,6 @@ from asyncrl.protocol import (
     Version,
     WeightsAnnounce,
     WeightsLoaded,
-    Welcome,
-    check_hello,
     decode,
     encode,  # fmt: skip
 )
@@ -81,6 +78,7 @@ from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
 from replay.clients import Client, Outbox, Parked, Registry
 from replay.durability import Recovery, WriteAheadLog, open_log
+from replay.membership import Membership
 from replay.pacing import TURN_MESSAGES_MAX, refill_at, turn_messages
 from replay.prompts import PromptSource, load_dataset
 from replay.state import HubState
@@ -98,6 +96,7 @@ class Hub:
                  allow_insecure: bool = False) -> None:  # fmt: skip
         self.cfg, rc = cfg, cfg.replay
         self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
+        self.members = Membership(self)  # Hello, Bye, silent clients, orphaned credits
         prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
         self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
@@ -115,19 +114,19 @@ class Hub:
         # (lsn, to, msg): an Ack or Batch sent once its records are durable
         self.gated: collections.deque[tuple[int, bytes, Message]] = collections.deque()
         self.recovery = Recovery()
-        self.orphans_at = 0.0  # when credits of clients that did not come back expire
         if rc.durability == "durable":  # recover from rc.state_dir, then log every change
             self.wal, self.recovery = open_log(self.state, rc)
             if self.recovery.ops or self.recovery.snapshot_groups:  # holders may come back
-                self.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
+                self.members.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
         self.running = True
         self.handlers = {
             Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
             WeightsAnnounce: self.on_weights_announce, WeightsLoaded: self.on_weights_loaded,
             Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
-            StatsRequest: self.on_stats_request, Bye: self.on_bye, BatchAck: self.on_batch_ack,
+            StatsRequest: self.on_stats_request, BatchAck: self.on_batch_ack,
         }  # fmt: skip
         self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
+        self.handlers.update(self.members.handlers)  # Bye
 
     @property
     def policy_version(self) -> int:
@@ -171,7 +170,7 @@ class Hub:
         steps = self.cfg.learner.groups_per_step
         self.receive_all(turn_messages(steps, len(self.clients.by_identity)))  # then their acks
         self.outbox.flush()  # peers whose pipes were full
-        self.expire_dead_clients(time.monotonic())
+        self.members.expire_dead(time.monotonic())
         self.grant_credits()  # refill actors' credit windows, one message each
         self.serve_parked()  # answer the sample requests that can be answered now
         self.commit()  # durable: the turn's records on disk, then its acks and batches
@@ -212,7 +211,7 @@ class Hub:
             if kind in observer.OPEN_TYPES:  # StatusRequest, Control: no Hello needed
                 return self.obs.on_open(identity, msg)
             if kind is Hello:
-                return self.on_hello(identity, msg)
+                return self.members.on_hello(identity, msg)
             client = self.clients.get(identity)
             if client is None:
                 raise ProtocolError(
@@ -243,25 +242,6 @@ class Hub:
         self.send(identity, Error(code=exc.code, field=exc.field, detail=exc.detail))
 
     # --- handlers -------------------------------------------------------------------------------
-
-    def on_hello(self, identity: bytes, msg: Hello) -> None:
-        check_hello(msg, self.config_hash)
-        old = self.clients.get(identity)
-        if old is not None:  # a new session under the same routing id ends the old one
-            self.drop_client(old, "replaced")
-        self.clients.add(identity, msg, time.monotonic())
-        next_seq = 0
-        if msg.role == "actor":
-            next_seq = self.state.actor_hello(identity, msg.client_id, msg.session)
-        elif msg.role == "learner":
-            returned = self.state.learner_hello(msg.session, msg.acks_batches)
-            if returned:
-                log.info("learner session %d: %d lent groups back in replay", msg.session, returned)  # fmt: skip
-        log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
-        rc = self.cfg.replay
-        self.send(identity, Welcome(client_id=msg.client_id, policy_version=self.policy_version,
-                                    heartbeat_interval_s=rc.heartbeat_interval_s,
-                                    max_staleness=rc.max_staleness, next_seq=next_seq))  # fmt: skip
 
     def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
         counters = self.counters
@@ -313,29 +293,7 @@ class Hub:
     def on_stats_request(self, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
         self.send(client.identity, Stats(stats=self.stats()))
 
-    def on_bye(self, client: Client, msg: Bye, frames: list[Any]) -> None:
-        self.drop_client(client, msg.reason or "bye")
-
     # --- state changes --------------------------------------------------------------------------
-
-    def drop_client(self, client: Client, why: str) -> None:
-        """A client left or died: its credits expire and their prompts are re-issued."""
-        expired = self.state.expire(client.identity)
-        self.clients.remove(client, why)
-        self.parked = collections.deque(p for p in self.parked if p.identity != client.identity)
-        self.outbox.forget(client.identity)
-        log.info("%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired)  # fmt: skip
-
-    def expire_dead_clients(self, now: float) -> None:
-        timeout = self.cfg.replay.heartbeat_timeout_s
-        for client in self.clients.silent(now, timeout):
-            self.drop_client(client, f"silent for more than {timeout} s")
-        if self.orphans_at and now >= self.orphans_at:  # recovered credits nobody came back for
-            self.orphans_at = 0.0
-            for holder in self.state.credits.holders():
-                if self.clients.get(holder) is None:
-                    expired = self.state.expire(holder)
-                    log.info("%r did not come back after recovery; %d credits re-issued", holder, expired)  # fmt: skip
 
     def grant_credits(self) -> None:
         """Top up each actor's credit window as far as admission allows, one message each.
