@@ -82,6 +82,7 @@ from transport_peers import (  # noqa: E402
     raw_push_main,
     relay_main,
 )
+from transport_report import durable_vs_volatile, packing_ab, targets  # noqa: E402
 
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
 EXTRA_VARIANTS = ("hub_unpacked",)  # only when asked for: `--variants hub,hub_unpacked`
@@ -109,7 +110,7 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     ctx = mp.get_context("spawn")
     ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
     concurrency = max(2 * batch, min(512, ACTOR_IN_FLIGHT_BYTES // group_bytes))
-    depth = learner_in_flight(group_bytes, batch, hub["learner_in_flight"])
+    depth = hub["learner_in_flight"]
     proc = ctx.Process(target=actor_main, args=(hub["endpoint"], hub["hash"], group_bytes, concurrency,
                                                 count, f"actor-{rep}", ready, go, cpu))  # fmt: skip
     proc.start()
@@ -214,6 +215,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
     count -= count % batch
     overrides = overrides_for(actual, batch)
+    depth = learner_in_flight(actual, batch, args.learner_in_flight)
     hubs = {}
     for name, extra in (("hub", []), ("hub_durable", DURABLE), ("hub_unpacked", UNPACKED)):
         if name not in args.variants.split(","):
@@ -224,7 +226,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         proc, endpoint = start_hub(tmp, overrides + extra, profile)
         hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
                "request_id": 0, "pid": proc.pid, "proc": proc,
-               "learner_in_flight": args.learner_in_flight}  # fmt: skip
+               "learner_in_flight": depth}  # fmt: skip
         hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
                                        config_hash=hub["hash"])  # fmt: skip
         hub["learner"].start()
@@ -263,7 +265,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
             hub["proc"].terminate()
             hub["proc"].wait()
     packing = packing_ab(times, cpus, hubs, count) if {"hub", "hub_unpacked"} <= set(times) else {}
-    depth = learner_in_flight(actual, batch, args.learner_in_flight)
     if set(times) - set(EXTRA_VARIANTS) != set(VARIANTS) or not args.reps:
         durable_ab = (
             durable_vs_volatile(times, count) if {"hub", "hub_durable"} <= set(times) else {}
@@ -279,7 +280,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
     ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw"], strict=True)]
     relay_ratios = [h / r for h, r in zip(gbps["hub"], gbps["raw_relay"], strict=True)]
-    durable = [d / h for d, h in zip(gbps["hub_durable"], gbps["hub"], strict=True)]
     disk = disk_fsync_mbps(tmp)
     cpu_ratios = [r / h for h, r in zip(cpus["hub"], cpus["raw_relay"], strict=True)]
     return {
@@ -288,9 +288,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
-        "durable_over_volatile": statistics.median(durable),
-        "durable_over_volatile_stats": spread(durable),
-        "hub_durable_groups_per_s": statistics.median(gps["hub_durable"]),
+        **durable_vs_volatile(times, count),
         "disk_fsync_mbps": disk,
         "durable_ceiling_over_volatile": disk / 1e3 / statistics.median(gbps["hub"]),
         "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
@@ -312,54 +310,6 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "relay_cpu_over_hub_cpu": statistics.median(cpu_ratios),
         "relay_cpu_over_hub_cpu_stats": spread(cpu_ratios),
     }  # fmt: skip
-
-
-def durable_vs_volatile(times: dict[str, list[float]], count: int) -> dict[str, Any]:
-    """`hub_durable` against `hub`, repetition by repetition (a run of just those two)."""
-    if not times["hub"]:
-        return {}
-    ratio = [h / d for h, d in zip(times["hub"], times["hub_durable"], strict=True)]
-    return {
-        "durable_over_volatile": statistics.median(ratio),
-        "durable_over_volatile_stats": spread(ratio),
-        "hub_groups_per_s": statistics.median(count / t for t in times["hub"]),
-        "hub_durable_groups_per_s": statistics.median(count / t for t in times["hub_durable"]),
-    }
-
-
-def packing_ab(times: dict[str, list[float]], cpus: dict[str, list[float]],
-               hubs: dict[str, Any], count: int) -> dict[str, Any]:  # fmt: skip
-    """`hub` (batches packed as `replay.pack_frames_below` says) against `hub_unpacked` (never),
-    repetition by repetition: throughput and CPU time per group, by process."""
-    if not times["hub"]:
-        return {}
-    speed = [u / p for p, u in zip(times["hub"], times["hub_unpacked"], strict=True)]
-    cpu = [p / u for p, u in zip(cpus["hub"], cpus["hub_unpacked"], strict=True)]
-    return {
-        "packed_over_unpacked_groups_per_s": spread(speed),
-        "packed_over_unpacked_cpu": spread(cpu),
-        "packed_groups_per_s": statistics.median(count / t for t in times["hub"]),
-        "unpacked_groups_per_s": statistics.median(count / t for t in times["hub_unpacked"]),
-        **{f"{name}_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
-            for k in ("actor", "hub", "hub_loop", "learner")
-        } for name in ("hub", "hub_unpacked")},
-    }  # fmt: skip
-
-
-TARGETS = {"ratio_vs_relay": 0.8, "hub_groups_per_s_32k": 10_000, "durable_over_volatile_256k": 0.7}
-
-
-def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The goals of this benchmark (medians against them): hub >= 0.8x the two-hop relay at
-    every size, >= 10,000 groups/s at 32 KB, durable >= 0.7x volatile at 256 KB."""
-    done = [r for r in results if not r.get("partial")]
-    near = {size: min(done, key=lambda r: abs(r["group_bytes"] - size)) for size in (32 << 10, 256 << 10)} if done else {}  # fmt: skip
-    met: dict[str, bool] = {f"ratio_vs_relay_{r['group_bytes']}": r["ratio_vs_relay"] >= TARGETS["ratio_vs_relay"] for r in done}  # fmt: skip
-    if near:
-        met["hub_groups_per_s_32k"] = near[32 << 10]["hub_groups_per_s"] >= TARGETS["hub_groups_per_s_32k"]  # fmt: skip
-        met["durable_over_volatile_256k"] = near[256 << 10]["durable_over_volatile"] >= TARGETS["durable_over_volatile_256k"]  # fmt: skip
-    return {"goals": TARGETS, "met": met}
 
 
 def main() -> None:
