@@ -13,6 +13,9 @@
    One pass per array, no temporaries; the frames need not be aligned. False otherwise, also
    for a size that is not a whole number of elements.
 
+   `address(buffer)` is where a buffer's bytes start in memory, for the hub's write-ahead log,
+   which places large frames so that O_DIRECT writes them from where they lie (replay/direct_io.py).
+
    tests/unit/test_hotpath.py holds both to the Python and numpy reference. Apart from what
    `configure` gave it, the module keeps no reference to its arguments. */
 
@@ -462,7 +465,19 @@ done:
     return result;
 }
 
+static PyObject *address(PyObject *self, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *result = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"address", address, METH_O,
+     "address(buffer) -> int: the memory address of a contiguous buffer's first byte."},
     {"values_ok", (PyCFunction)(void (*)(void))values_ok, METH_FASTCALL,
      "values_ok(tokens, loss_mask, behavior_logprobs, slack) -> bool: token ids >= 0, mask bytes "
      "0 or 1, logprobs in (-inf, slack] (no NaN); buffers of int32, uint8, float32."},

@@ -58,7 +58,7 @@ from typing import Any
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.protocol import Batch, SampleRequest
+from asyncrl.protocol import Batch, SampleRequest, Stats, StatsRequest
 from asyncrl.transport import HubConnection, keep_freed_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +191,18 @@ DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fs
 UNPACKED = ["replay.pack_frames_below=0"]  # batches as four frames per group, never one
 
 
+def durability(learner: HubConnection) -> dict[str, Any]:
+    """A durable hub's log figures: how many of its bytes went to disk from the frames' own
+    memory (placed) and how many through the staging buffer (replay/direct_io.py)."""
+    learner.send(StatsRequest())
+    while (msg := learner.recv(timeout_s=30)) is not None:
+        if isinstance(msg, Stats):
+            log = msg.stats["durability"]
+            placed, copied = log.get("log_bytes_placed", 0), log.get("log_bytes_copied", 0)
+            return {"hub_durable_log": {**log, "placed_share": placed / max(1, placed + copied)}}
+    raise AssertionError("no Stats from the durable hub for 30 s")
+
+
 def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subprocess.Popen, str]:
     dataset = tmp / "prompts.jsonl"
     dataset.write_text(
@@ -259,6 +271,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                       f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
                       f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
                       + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
+        logs = durability(hubs["hub_durable"]["learner"]) if "hub_durable" in hubs else {}
     finally:
         for hub in hubs.values():
             hub["learner"].close()
@@ -275,6 +288,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
             "learner_in_flight": depth,
             **packing,
             **durable_ab,
+            **logs,
         }  # not a full result
     gps = {k: [count / t for t in v] for k, v in times.items()}
     gbps = {k: [count * actual / t / 1e9 for t in v] for k, v in times.items()}
@@ -289,6 +303,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
         "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
         **durable_vs_volatile(times, count),
+        **logs,
         "disk_fsync_mbps": disk,
         "durable_ceiling_over_volatile": disk / 1e3 / statistics.median(gbps["hub"]),
         "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),

@@ -137,7 +137,8 @@ class WriteAheadLog:
                 key: tuple[str, int] | None = None) -> int:  # fmt: skip
         """Append one record (written at the next `commit`); returns its log position. `key`:
         the (actor_id, seq) of the group a `store` record holds (a snapshot may reference it)."""
-        parts = pack_record(op, args, frames, seed=self.log_id)
+        at = self.log_bytes if self.syncer is not None else None  # placed for O_DIRECT
+        parts = pack_record(op, args, frames, seed=self.log_id, at=at)
         size = record_size(parts)
         if key is not None:
             self.stored_at[key] = (self.log_id, self.log_bytes, size)

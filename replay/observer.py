@@ -209,7 +209,16 @@ class HubObserver:
         return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
                 "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
                 "recovered_snapshot_groups": found.snapshot_groups,
-                "recovery_skipped_bytes": found.skipped_bytes}  # fmt: skip
+                "recovery_skipped_bytes": found.skipped_bytes, **_writes(wal)}  # fmt: skip
+
+
+def _writes(wal: Any) -> dict[str, int]:
+    """How the log's bytes reached the disk: written from the frames' own memory (placed) or
+    copied through the O_DIRECT staging buffer (replay/direct_io.py)."""
+    if wal.syncer is None:
+        return {}
+    writer = wal.syncer.writer
+    return {"log_bytes_placed": writer.placed_bytes, "log_bytes_copied": writer.copied_bytes}
 
 
 COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",

@@ -2,7 +2,12 @@
 
 A record is `u32 body_len, u64 xxh3_64(body), body` (xxh3: a 64-bit checksum about 8x cheaper
 than zlib's crc32 on 256 KB groups); body = `u32 meta_len`, msgpack `[op, args, [frame
-lengths]]`, then the frames (a Group's received wire frames, not re-encoded). The checksum is
+lengths]]` or `[op, args, [frame lengths], gaps]`, then the frames (a Group's received wire
+frames, not re-encoded), each after `gaps[i]` zero bytes when there are gaps (`gaps`: u16 per
+frame, little-endian, in a msgpack bin). A record packed for a known offset (`pack_record(at=)`,
+the hub's log) puts each frame of `PLACED_BYTES` or more where its offset in the file and its
+address in memory are the same modulo `BLOCK`, so that O_DIRECT writes the frame from where it
+lies instead of copying it (replay/direct_io.py); the gaps cost < `BLOCK` bytes per such frame. The checksum is
 seeded with the id of the log segment the record belongs to (0 in a snapshot), so the records a
 recycled segment file still holds from its earlier life never pass for records of the new one.
 A reader trusts a record only when its length is possible, the file holds all of it and the
@@ -20,7 +25,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+import numpy as np
 import xxhash
+
+try:
+    from asyncrl._hotpath import address
+except ImportError:  # installed without a C compiler
+
+    def address(buf: Any) -> int:
+        """The memory address of a contiguous buffer's first byte."""
+        return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
 
 HEADER = struct.Struct("<IQ")  # body length, xxh3_64 of the body
 META_LEN = struct.Struct("<I")
@@ -28,6 +43,9 @@ MAX_RECORD_BYTES = 1 << 31  # a longer length field is corruption, not a record
 IOV_MAX = 512  # buffers per writev call
 END = bytes(HEADER.size)  # the end marker: no record has length 0
 END_MARKER = "end marker"
+BLOCK = 4096  # alignment of O_DIRECT offsets, lengths and memory
+PLACED_BYTES = 4 * BLOCK  # frames this long are placed for O_DIRECT (gaps before them)
+_ZEROS = memoryview(bytes(BLOCK))
 
 Record = tuple[int, str, dict[str, Any], list[bytes]]
 """(offset after the record, op, args, frames)."""
@@ -41,16 +59,46 @@ class TornRecord(Exception):
         self.offset, self.why = offset, why
 
 
-def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0) -> list[Any]:
-    """The buffers of one record (header first), ready for writev; frames are not copied."""
+def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0,
+                at: int | None = None) -> list[Any]:  # fmt: skip
+    """The buffers of one record (header first), ready for writev; frames are not copied. With
+    `at` (the file offset the record will have), frames of `PLACED_BYTES` or more are placed
+    for O_DIRECT (gaps before them)."""
     views = [memoryview(f).cast("B") for f in frames]
-    meta = msgpack.packb([op, args, [v.nbytes for v in views]], use_bin_type=True)
-    parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
+    lengths = [v.nbytes for v in views]
+    if at is None or not any(n >= PLACED_BYTES for n in lengths):
+        meta = msgpack.packb([op, args, lengths], use_bin_type=True)
+        parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
+    else:
+        parts = _placed(op, args, views, lengths, at)
     digest = xxhash.xxh3_64(seed=seed)
     for part in parts:
         digest.update(part)
     body_len = sum(memoryview(p).nbytes for p in parts)
     return [HEADER.pack(body_len, digest.intdigest()), *parts]
+
+
+def _placed(op: str, args: dict[str, Any], views: list[memoryview], lengths: list[int],
+            at: int) -> list[Any]:  # fmt: skip
+    """A record's body parts with each large frame after the gap that puts its file offset
+    and its memory address at the same place in a `BLOCK` (the gaps are fixed-width in the
+    meta, so its length, and where the frames start, do not depend on them)."""
+    gaps = [0] * len(views)
+    meta_len = len(msgpack.packb([op, args, lengths, bytes(2 * len(views))], use_bin_type=True))
+    pos = at + HEADER.size + META_LEN.size + meta_len
+    frames: list[Any] = []
+    for i, v in enumerate(views):
+        if v.nbytes >= PLACED_BYTES:
+            gaps[i] = gap = (address(v) - pos) % BLOCK
+            if gap:
+                frames.append(_ZEROS[:gap])
+                pos += gap
+        frames.append(v)
+        pos += v.nbytes
+    meta = msgpack.packb([op, args, lengths, struct.pack(f"<{len(gaps)}H", *gaps)],
+                         use_bin_type=True)  # fmt: skip
+    assert len(meta) == meta_len
+    return [META_LEN.pack(meta_len), meta, *frames]
 
 
 def record_size(parts: list[Any]) -> int:
@@ -91,11 +139,13 @@ def _parse_body(body: memoryview, offset: int) -> tuple[str, dict[str, Any], lis
     (meta_len,) = META_LEN.unpack_from(body)
     start = META_LEN.size + meta_len
     try:
-        op, args, lengths = msgpack.unpackb(body[META_LEN.size : start], raw=False)
-    except (ValueError, TypeError, msgpack.ExtraData) as exc:
+        op, args, lengths, *placed = msgpack.unpackb(body[META_LEN.size : start], raw=False)
+        gaps = struct.unpack(f"<{len(lengths)}H", placed[0]) if placed else (0,) * len(lengths)
+    except (ValueError, TypeError, msgpack.ExtraData, struct.error) as exc:
         raise TornRecord(offset, f"unreadable record meta: {exc}") from exc
     frames = []
-    for n in lengths:
+    for n, gap in zip(lengths, gaps, strict=True):
+        start += gap
         frames.append(bytes(body[start : start + n]))
         start += n
     return op, args, frames

@@ -1,7 +1,8 @@
 """asyncrl/_hotpath.c against the Python it replaces on the group fast path: `values_ok` against
 the numpy scans (NaN, infinities, the slack boundary, negative ids, mask bytes above 1, frames
 that are not aligned) and `finish_group` against `group_codec.finish_group` (every group, and
-headers edited to break each rule: the same Group, or None from both)."""
+headers edited to break each rule: the same Group, or None from both); `address` against numpy's
+(the write-ahead log's fallback)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import tracemalloc
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from golden_wire import GROUP
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from wire_cases import FAST, groups, header, same, wire
 from asyncrl import group_codec
 from asyncrl.group_codec import _HEAD, LOGPROB_SLACK, _values_ok, finish_group
 from asyncrl.protocol import Group, ProtocolError, decode
+from replay import wal_records
 
 hotpath = group_codec._hotpath
 scan_values = hotpath.values_ok if hotpath is not None else None
@@ -91,6 +94,15 @@ def test_bad_arguments_are_named() -> None:
         scan_values("not a buffer", b"", b"", LOGPROB_SLACK)
     with pytest.raises(TypeError):
         scan_values(b"", b"", b"", "slack")
+
+
+def test_address_is_where_the_buffer_starts() -> None:
+    pool = np.zeros(100, np.uint8)
+    for buf in (pool[3:], memoryview(pool)[17:40], zmq.Frame(b"x" * 70_000), b"abc"):
+        expected = np.frombuffer(buf, np.uint8).ctypes.data
+        assert hotpath.address(buf) == expected == wal_records.address(buf)
+    with pytest.raises(TypeError):
+        hotpath.address("not a buffer")
 
 
 # --- finish_group ------------------------------------------------------------------------------

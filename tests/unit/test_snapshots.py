@@ -49,7 +49,7 @@ def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
     assert exported(again) == exported(live)  # tokens, logprobs, counters, lent, windows
     assert sorted(again.lent) == [1] and again.is_resend("a", 8) and again.next_seq("a") == 9
     current = tmp_path / "wal-1.log"
-    os.truncate(current, current.stat().st_size - 1000)  # a torn tail in the current segment
+    os.truncate(current, wal.log_bytes - 1000)  # a torn tail in the current segment
     torn, found = recover(tmp_path)
     assert "torn" in found.reason and found.ops == 1 and found.snapshot_groups == 8
     assert not torn.is_resend("a", 8) and len(torn.buffer) == len(live.buffer) - 1
