@@ -226,7 +226,7 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     count = max(args.min_groups, args.bytes_per_rep // actual)
     batch = 64 if actual < 100_000 else 16 if actual < 1_000_000 else 4
     count -= count % batch
-    overrides = overrides_for(actual, batch)
+    overrides = overrides_for(actual, batch) + args.hub_set
     depth = learner_in_flight(actual, batch, args.learner_in_flight)
     hubs = {}
     for name, extra in (("hub", []), ("hub_durable", DURABLE), ("hub_unpacked", UNPACKED)):
@@ -347,6 +347,8 @@ def main() -> None:
         default=0,
         help="sample requests the learner keeps out (0: 64 MB worth, at least 4)",
     )
+    p.add_argument("--hub-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every hub variant (e.g. replay.io_threads=1)")  # fmt: skip
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()

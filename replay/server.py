@@ -100,7 +100,7 @@ class Hub:
         prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
         self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(rc.io_threads)
         self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None  # fmt: skip
         self.sock, self.endpoint = bind_router(self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure)  # fmt: skip
         self.clients = Registry()

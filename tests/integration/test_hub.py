@@ -97,6 +97,25 @@ def test_eta_zero_is_synchronous(tmp_path: Path, hubs: list) -> None:
     learner.close()
 
 
+def test_the_hub_runs_the_io_threads_it_is_given(tmp_path: Path, hubs: list) -> None:
+    hub = HubProcess(tmp_path, ["learner.groups_per_step=4", "replay.io_threads=3"])
+    hubs.append(hub)
+    actors = [ActorThread(hub.connect("actor", f"actor-{i}", concurrency=8)) for i in range(2)]
+    learner = hub.connect("learner", "learner")
+    for actor in actors:
+        actor.start()
+    consumed = [g.group_id for v in range(3) for g in sample(learner, v, v, 4).groups]
+    assert len(set(consumed)) == 12  # connections spread over the threads: nothing lost
+    tasks = Path(f"/proc/{hub.proc.pid}/task").iterdir()
+    io = [t for t in tasks if (t / "comm").read_text().startswith("ZMQbg/IO/")]
+    assert len(io) == 3
+    for actor in actors:
+        actor.stop.set()
+        actor.join()
+        actor.conn.close()
+    learner.close()
+
+
 DEAD_ACTOR = """
 import sys, time
 from asyncrl.protocol import Credits

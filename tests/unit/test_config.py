@@ -57,6 +57,7 @@ def test_set_overrides_win_over_the_file(tmp_path: Path) -> None:
         ("", ["actor.temperature=3.0"], "actor.temperature"),
         ("", ["run.num_actors=0"], "run.num_actors"),
         ("", ["replay.snapshot_keep_segments=0"], "replay.snapshot_keep_segments"),
+        ("", ["replay.io_threads=0"], "replay.io_threads"),
         ("", ["model.hidden_size=130"], "model.hidden_size"),
         ("", ["replay.max_staleness=1", "learner.publish_every=3"], "learner.publish_every"),
         ("", ["learner.groups_per_step=2", "learner.minibatches=3"], "learner.minibatches"),
@@ -97,3 +98,4 @@ def test_config_hash_covers_shared_settings_only() -> None:
     assert load_config(None, ["actor.group_size=4"]).config_hash() != base
     assert load_config(None, ["run.run_dir=elsewhere"]).config_hash() == base
     assert load_config(None, ["replay.bind=ipc:///tmp/hub"]).config_hash() == base
+    assert load_config(None, ["replay.io_threads=1"]).config_hash() == base  # the hub's own
