@@ -45,6 +45,7 @@ class DirectWriter:
     def __init__(self) -> None:
         self.mm = mmap.mmap(-1, STAGING_BYTES)  # page-aligned
         self.staging = np.frombuffer(self.mm, np.uint8)
+        self.view = memoryview(self.mm)
         self.fd, self.direct = -1, False
         self.tail, self.tail_end = b"", -1  # the last block's records and where they end
         self.iov: list[Any] = []
@@ -75,7 +76,14 @@ class DirectWriter:
                 got = os.preadv(fd, [view[:BLOCK]], start)
             assert got >= n, "the log's last block is shorter than its records"
         self.iov, self.pos, self.iov_bytes, self.region, self.filled = [], start, 0, 0, n
+        view = self.view
         for part in buffers:
+            size = len(part)  # bytes, or a memoryview of bytes
+            if size < PLACED_BYTES and self.filled + size < LIMIT:  # a small one: copied
+                view[self.filled : self.filled + size] = part
+                self.filled += size
+                self.copied_bytes += size
+                continue
             src = np.frombuffer(part, np.uint8)
             i = self._place(fd, src) if src.size >= PLACED_BYTES else 0
             self.copied_bytes += src.size - i
@@ -132,6 +140,7 @@ class DirectWriter:
     def close(self) -> None:
         self.iov = []
         del self.staging
+        self.view.release()
         self.mm.close()
 
 

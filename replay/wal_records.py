@@ -61,49 +61,62 @@ class TornRecord(Exception):
 
 def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0,
                 at: int | None = None) -> list[Any]:  # fmt: skip
-    """The buffers of one record (header first), ready for writev; frames are not copied. With
-    `at` (the file offset the record will have), frames of `PLACED_BYTES` or more are placed
-    for O_DIRECT (gaps before them)."""
+    """The buffers of one record (the header first, joined with what follows it when that is
+    small), ready for writev; frames of `PLACED_BYTES` or more are not copied. With `at` (the
+    file offset the record will have), those frames are placed for O_DIRECT (gaps before them)
+    and the small pieces between them joined, so the syncer handles few buffers per record."""
     views = [memoryview(f).cast("B") for f in frames]
     lengths = [v.nbytes for v in views]
     if at is None or not any(n >= PLACED_BYTES for n in lengths):
         meta = msgpack.packb([op, args, lengths], use_bin_type=True)
-        parts: list[Any] = [META_LEN.pack(len(meta)), meta, *views]
+        body: list[Any] = [META_LEN.pack(len(meta)) + meta, *views]
+        body_len = META_LEN.size + len(meta) + sum(lengths)
     else:
-        parts = _placed(op, args, views, lengths, at)
+        body, body_len = _placed(op, args, views, lengths, at)
     digest = xxhash.xxh3_64(seed=seed)
-    for part in parts:
+    for part in body:
         digest.update(part)
-    body_len = sum(memoryview(p).nbytes for p in parts)
-    return [HEADER.pack(body_len, digest.intdigest()), *parts]
+    head = HEADER.pack(body_len, digest.intdigest())
+    if len(body[0]) < PLACED_BYTES:
+        return [head + body[0], *body[1:]]
+    return [head, *body]
 
 
 def _placed(op: str, args: dict[str, Any], views: list[memoryview], lengths: list[int],
-            at: int) -> list[Any]:  # fmt: skip
-    """A record's body parts with each large frame after the gap that puts its file offset
+            at: int) -> tuple[list[Any], int]:  # fmt: skip
+    """A record's body as buffers, each large frame after the gap that puts its file offset
     and its memory address at the same place in a `BLOCK` (the gaps are fixed-width in the
-    meta, so its length, and where the frames start, do not depend on them)."""
-    gaps = [0] * len(views)
-    meta_len = len(msgpack.packb([op, args, lengths, bytes(2 * len(views))], use_bin_type=True))
+    meta, so its length, and where the frames start, do not depend on them), the small pieces
+    between large frames joined; and the body's length."""
+    n = len(views)
+    meta_len = len(msgpack.packb([op, args, lengths, bytes(2 * n)], use_bin_type=True))
     pos = at + HEADER.size + META_LEN.size + meta_len
-    frames: list[Any] = []
+    gaps = [0] * n
+    runs: list[list[Any]] = [[]]  # the small pieces before, between and after large frames
+    large: list[memoryview] = []
     for i, v in enumerate(views):
         if v.nbytes >= PLACED_BYTES:
             gaps[i] = gap = (address(v) - pos) % BLOCK
-            if gap:
-                frames.append(_ZEROS[:gap])
-                pos += gap
-        frames.append(v)
+            runs[-1].append(_ZEROS[:gap])
+            large.append(v)
+            runs.append([])
+            pos += gap
+        else:
+            runs[-1].append(v)
         pos += v.nbytes
-    meta = msgpack.packb([op, args, lengths, struct.pack(f"<{len(gaps)}H", *gaps)],
-                         use_bin_type=True)  # fmt: skip
+    meta = msgpack.packb([op, args, lengths, struct.pack(f"<{n}H", *gaps)], use_bin_type=True)
     assert len(meta) == meta_len
-    return [META_LEN.pack(meta_len), meta, *frames]
+    parts: list[Any] = [b"".join([META_LEN.pack(meta_len), meta, *runs[0]])]
+    for v, run in zip(large, runs[1:], strict=True):
+        parts.append(v)
+        if run:
+            parts.append(b"".join(run))
+    return parts, pos - at - HEADER.size
 
 
 def record_size(parts: list[Any]) -> int:
     """Bytes on disk of a record `pack_record` returned."""
-    return HEADER.size + HEADER.unpack(parts[0])[0]
+    return HEADER.size + HEADER.unpack_from(parts[0])[0]
 
 
 def read_record(f: BinaryIO, offset: int, seed: int = 0) -> Record | None:
