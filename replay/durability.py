@@ -3,7 +3,7 @@
 
     HubState op --journal--> WriteAheadLog.append  (kept in memory: a list of buffers)
     end of each loop turn --> commit(): the pending records go to the syncer thread as a write
-                              job; it writes them (pwritev, no copy but the kernel's) and
+                              job; it writes them (O_DIRECT: large frames from their own memory) and
                               fdatasyncs, one sync for everything queued meanwhile (the loop
                               goes on receiving), then wakes the loop through a pipe; the hub
                               releases a turn's Acks and Batches once `durable_lsn` covers them
