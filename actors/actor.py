@@ -62,9 +62,21 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import HubConnection
 
-ACTOR_COUNTERS = ("rounds", "groups_pushed", "samples", "tokens", "wait_credit_s", "generate_s",
-                  "reward_s", "weights_loaded", "weights_load_s", "reward_failures",
-                  "credits_returned", "wait_weights_s", "reward_groups_dropped")  # fmt: skip
+ACTOR_COUNTERS = (
+    "rounds",
+    "groups_pushed",
+    "samples",
+    "tokens",
+    "wait_credit_s",
+    "generate_s",
+    "reward_s",
+    "weights_loaded",
+    "weights_load_s",
+    "reward_failures",
+    "credits_returned",
+    "wait_weights_s",
+    "reward_groups_dropped",
+)
 """Actor statistics that only grow (exported as Prometheus counters)."""
 
 
@@ -100,10 +112,19 @@ class Actor:
         self.group_size = cfg.actor.group_size
         self.seq = 0
         self.stats: dict[str, float] = {
-            "groups_pushed": 0, "samples": 0, "tokens": 0, "wait_credit_s": 0.0,
-            "reward_s": 0.0, "weights_loaded": 0, "weights_load_s": 0.0, "reward_failures": 0,
-            "reward_groups_dropped": 0, "credits_returned": 0, "wait_weights_s": 0.0, "wall_s": 0.0,
-        }  # fmt: skip
+            "groups_pushed": 0,
+            "samples": 0,
+            "tokens": 0,
+            "wait_credit_s": 0.0,
+            "reward_s": 0.0,
+            "weights_loaded": 0,
+            "weights_load_s": 0.0,
+            "reward_failures": 0,
+            "reward_groups_dropped": 0,
+            "credits_returned": 0,
+            "wait_weights_s": 0.0,
+            "wall_s": 0.0,
+        }
         self.min_weights_version = 0  # credits need weights at least this new (see run)
         self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.evaluator: ActorEvaluator | None = None  # runs the hub's evaluation requests
@@ -160,8 +181,13 @@ class Actor:
             return
         stats = self.status_stats()
         gen_s = stats["generate_s"]
-        self.live.publish({**stats, "policy_version": self.engine.policy_version,
-                           "tokens_per_s": stats["tokens"] / gen_s if gen_s else 0.0})  # fmt: skip
+        self.live.publish(
+            {
+                **stats,
+                "policy_version": self.engine.policy_version,
+                "tokens_per_s": stats["tokens"] / gen_s if gen_s else 0.0,
+            }
+        )
 
     def swap_weights(self) -> None:
         """At a generation boundary: load the newest fully received weights, if any."""
@@ -279,30 +305,48 @@ class Actor:
         for ep, outcome in zip(group.episodes, outcomes, strict=True):
             tokens, mask, logprobs = ep.trajectory()
             version = max(ep.min_version, 0) if ep.num_turns else self.engine.policy_version
-            trajectories.append(Trajectory(
-                tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask,
-                behavior_logprobs=logprobs, reward=outcome.reward, min_policy_version=version,
-                max_policy_version=max(ep.max_version, version), finish_reason=ep.finish_reason,
-                reward_failed=outcome.failed, num_turns=ep.num_turns, tool_s=ep.tool_s,
-                env_s=ep.env_s, version_spans=ep.version_spans(),
-            ))  # fmt: skip
+            trajectories.append(
+                Trajectory(
+                    tokens=tokens,
+                    prompt_len=len(ep.prompt),
+                    loss_mask=mask,
+                    behavior_logprobs=logprobs,
+                    reward=outcome.reward,
+                    min_policy_version=version,
+                    max_policy_version=max(ep.max_version, version),
+                    finish_reason=ep.finish_reason,
+                    reward_failed=outcome.failed,
+                    num_turns=ep.num_turns,
+                    tool_s=ep.tool_s,
+                    env_s=ep.env_s,
+                    version_spans=ep.version_spans(),
+                )
+            )
         failures = sum(1 for o in outcomes if o.failed)
         self.stats["reward_failures"] += failures
         self.stats["samples"] += len(trajectories)
         self.stats["tokens"] += sum(int(t.loss_mask.sum()) for t in trajectories)
         self.seq = self.conn.next_seq(self.seq)  # a restarted actor goes on where the hub is
         group_id = f"{self.actor_id}/{self.seq}"
-        counts = {k: sum(ep.counts[k] for ep in group.episodes) for k in ("tool_calls",
-                  "tool_errors", "malformed_calls")}  # fmt: skip
+        counts = {
+            k: sum(ep.counts[k] for ep in group.episodes)
+            for k in ("tool_calls", "tool_errors", "malformed_calls")
+        }
         fields = self.rewards.group_fields(outcomes)
         out = Group.build(
-            group_id=group_id, prompt_id=credit.prompt_id, credit_id=credit.credit_id,
-            actor_id=self.actor_id, seq=self.seq, trajectories=trajectories,
+            group_id=group_id,
+            prompt_id=credit.prompt_id,
+            credit_id=credit.credit_id,
+            actor_id=self.actor_id,
+            seq=self.seq,
+            trajectories=trajectories,
             metadata={**{k: v for k, v in counts.items() if v}, **fields["metadata"]},
             reward_components=fields["reward_components"],
-            timings={"generate_s": group.generate_s,
-                     "env_s": sum(ep.env_s for ep in group.episodes)},
-        )  # fmt: skip
+            timings={
+                "generate_s": group.generate_s,
+                "env_s": sum(ep.env_s for ep in group.episodes),
+            },
+        )
         self.seq += 1
         return out
 
@@ -324,8 +368,11 @@ class Actor:
         """The actor's counters with its episodes' (rounds, generate_s, env and tool time,
         tool calls, finish reasons)."""
         finish = {f"finish_{k}": v for k, v in sorted(self.episodes.finish_counts.items())}
-        inflight = {k: getattr(self.engine, k) for k in ("inflight_updates", "inflight_recompute_s")
-                    if hasattr(self.engine, k)}  # fmt: skip
+        inflight = {
+            k: getattr(self.engine, k)
+            for k in ("inflight_updates", "inflight_recompute_s")
+            if hasattr(self.engine, k)
+        }
         rewards = {f"reward/{k}": v for k, v in sorted(self.rewards.stats.items())}
         return {**self.stats, **self.episodes.stats, **finish, **inflight, **rewards}
 

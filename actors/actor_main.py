@@ -81,17 +81,25 @@ def main(argv: Sequence[str]) -> int:
         plan, args.actor_id, timeout_s=cfg.weights.timeout_s, backend=cfg.weights.backend
     )
     conn = HubConnection(
-        args.hub, role="actor", client_id=args.actor_id, config_hash=cfg.config_hash(),
+        args.hub,
+        role="actor",
+        client_id=args.actor_id,
+        config_hash=cfg.config_hash(),
         concurrency=cfg.actor.num_window_credits,
         heartbeat_interval_s=cfg.replay.heartbeat_interval_s,
-        max_message_bytes=cfg.replay.max_message_bytes, hwm=cfg.replay.hwm,
+        max_message_bytes=cfg.replay.max_message_bytes,
+        hwm=cfg.replay.hwm,
         auth_dir=cfg.replay.auth_dir,
-    )  # fmt: skip
+    )
     actor = Actor(
-        cfg, actor_id=args.actor_id, conn=conn, engine=engine,
+        cfg,
+        actor_id=args.actor_id,
+        conn=conn,
+        engine=engine,
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        make_env=lambda: make_env(cfg.task), receiver=receiver,
-    )  # fmt: skip
+        make_env=lambda: make_env(cfg.task),
+        receiver=receiver,
+    )
     actor.stop_event = stop
     actor.evaluator = ActorEvaluator(actor, lambda: make_env(cfg.task))
     if cfg.metrics.actor_port:

@@ -62,9 +62,11 @@ class ChatTokens:
         if obs.messages:
             if self.chat:
                 text = self.tokenizer.apply_chat_template(
-                    list(obs.messages), tools=list(obs.tools) or None,
-                    add_generation_prompt=True, tokenize=False,
-                )  # fmt: skip
+                    list(obs.messages),
+                    tools=list(obs.tools) or None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
                 return self.encode(text)
             return self.encode(_tools_text(obs.tools) + _joined(obs.messages), special=True)
         if obs.text:

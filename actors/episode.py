@@ -32,10 +32,13 @@ class EpisodeLimits:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> EpisodeLimits:
         return cls(
-            max_turns=cfg.task.max_turns, max_new_tokens=cfg.actor.max_new_tokens,
-            max_episode_tokens=cfg.task.max_episode_tokens, timeout_s=cfg.task.episode_timeout_s,
-            temperature=cfg.actor.temperature, top_p=cfg.actor.top_p,
-        )  # fmt: skip
+            max_turns=cfg.task.max_turns,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            max_episode_tokens=cfg.task.max_episode_tokens,
+            timeout_s=cfg.task.episode_timeout_s,
+            temperature=cfg.actor.temperature,
+            top_p=cfg.actor.top_p,
+        )
 
 
 @dataclass(eq=False, kw_only=True)

@@ -76,9 +76,15 @@ class EpisodeRunner:
         self.pool = ThreadPoolExecutor(workers, "env-step") if workers > 0 else None
         self.groups: list[EpisodeGroup] = []
         self.round_generate_s: collections.deque[float] = collections.deque(maxlen=ROUND_RECORDS)
-        self.stats: dict[str, float] = {"rounds": 0, "generate_s": 0.0, "episodes": 0,
-                                        "env_s": 0.0, "tool_s": 0.0, "turns": 0,
-                                        **dict.fromkeys(COUNTS, 0)}  # fmt: skip
+        self.stats: dict[str, float] = {
+            "rounds": 0,
+            "generate_s": 0.0,
+            "episodes": 0,
+            "env_s": 0.0,
+            "tool_s": 0.0,
+            "turns": 0,
+            **dict.fromkeys(COUNTS, 0),
+        }
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.reuse_kv = bool(getattr(engine, "supports_kv_reuse", False)) and limits.max_turns > 1
         """Keep each episode's KV cache in the engine between its turns (engines that can)."""
@@ -166,8 +172,11 @@ class EpisodeRunner:
             group.generate_s += gen_s
         if self.turns_in_call:
             return
-        turns = [(ep, s) for (_, eps), samples in zip(batches, outputs, strict=True)
-                 for ep, s in zip(eps, samples, strict=True)]  # fmt: skip
+        turns = [
+            (ep, s)
+            for (_, eps), samples in zip(batches, outputs, strict=True)
+            for ep, s in zip(eps, samples, strict=True)
+        ]
         texts = self.tokenizer.batch_decode(
             [_without_stop(s, self.render.stop_ids) for _, s in turns], skip_special_tokens=False
         )
@@ -219,11 +228,16 @@ class EpisodeRunner:
             )
             keys = tuple(e.cache_key for e in eps) if self.reuse_kv else ()
             request = GenerationRequest(
-                prompt_tokens=list(context), n=len(eps), temperature=self.limits.temperature,
-                top_p=self.limits.top_p, max_new_tokens=budget,
-                stop_token_ids=self.render.stop_ids, seed=seed, cache_keys=keys,
+                prompt_tokens=list(context),
+                n=len(eps),
+                temperature=self.limits.temperature,
+                top_p=self.limits.top_p,
+                max_new_tokens=budget,
+                stop_token_ids=self.render.stop_ids,
+                seed=seed,
+                cache_keys=keys,
                 resume_key=first.cache_key if keys and turn else "",
-            )  # fmt: skip
+            )
             out.append((request, eps))
         return out
 

@@ -35,22 +35,37 @@ from asyncrl.evaluation import sampling
 from asyncrl.protocol import EvalRequest, EvalResult
 
 
-def evaluate(engine: Engine, tokenizer: Any, make_env: Callable[[], Env], request: EvalRequest,
-             actor_id: str, limits: EpisodeLimits, workers: int = 0) -> EvalResult:  # fmt: skip
+def evaluate(
+    engine: Engine,
+    tokenizer: Any,
+    make_env: Callable[[], Env],
+    request: EvalRequest,
+    actor_id: str,
+    limits: EpisodeLimits,
+    workers: int = 0,
+) -> EvalResult:
     """Run `num_samples` episodes per held-out prompt with the engine's current weights (the
     task's environment scores each one) and summarize them prompt-major."""
     policy_version = engine.policy_version
     temperature, top_p = sampling(request.temperature)
-    limits = replace(limits, temperature=temperature, top_p=top_p,
-                     max_new_tokens=request.max_new_tokens)  # fmt: skip
+    limits = replace(
+        limits, temperature=temperature, top_p=top_p, max_new_tokens=request.max_new_tokens
+    )
     runner = EpisodeRunner(engine, tokenizer, make_env, limits, workers)
     start = time.perf_counter()
     in_flight = getattr(engine, "between_steps", None)
     if in_flight is not None:
         engine.between_steps = None  # type: ignore[attr-defined]  # one version for the eval
     try:
-        groups = [runner.start(i, from_credit(item.prompt_id, item.prompt, item.info), item.seed,
-                               request.num_samples) for i, item in enumerate(request.items)]  # fmt: skip
+        groups = [
+            runner.start(
+                i,
+                from_credit(item.prompt_id, item.prompt, item.info),
+                item.seed,
+                request.num_samples,
+            )
+            for i, item in enumerate(request.items)
+        ]
         while runner.num_groups:
             runner.advance()
     finally:
@@ -60,15 +75,20 @@ def evaluate(engine: Engine, tokenizer: Any, make_env: Callable[[], Env], reques
     generate_s = time.perf_counter() - start
     episodes = [ep for group in groups for ep in group.episodes]
     assert all(ep.max_version <= policy_version for ep in episodes), "weights changed mid-eval"
-    return EvalResult(eval_id=request.eval_id, actor_id=actor_id, policy_version=policy_version,
-                      requested_version=request.policy_version,
-                      num_samples=request.num_samples, pass_threshold=request.pass_threshold,
-                      prompt_ids=[item.prompt_id for item in request.items],
-                      rewards=[float(ep.reward) for ep in episodes],
-                      lengths=[int(ep.trajectory()[1].sum()) for ep in episodes],
-                      finish_reasons=[ep.finish_reason for ep in episodes],
-                      reward_failed=[ep.reward_failed for ep in episodes],
-                      generate_s=generate_s)  # fmt: skip
+    return EvalResult(
+        eval_id=request.eval_id,
+        actor_id=actor_id,
+        policy_version=policy_version,
+        requested_version=request.policy_version,
+        num_samples=request.num_samples,
+        pass_threshold=request.pass_threshold,
+        prompt_ids=[item.prompt_id for item in request.items],
+        rewards=[float(ep.reward) for ep in episodes],
+        lengths=[int(ep.trajectory()[1].sum()) for ep in episodes],
+        finish_reasons=[ep.finish_reason for ep in episodes],
+        reward_failed=[ep.reward_failed for ep in episodes],
+        generate_s=generate_s,
+    )
 
 
 class ActorEvaluator:
@@ -91,9 +111,15 @@ class ActorEvaluator:
             if engine.policy_version < request.policy_version:
                 waiting.append(request)  # the weights asked for are still on their way
                 continue
-            result = evaluate(engine, self.actor.tokenizer, self.make_env, request,
-                              self.actor.actor_id, EpisodeLimits.from_config(self.actor.cfg),
-                              self.actor.cfg.actor.env_workers)  # fmt: skip
+            result = evaluate(
+                engine,
+                self.actor.tokenizer,
+                self.make_env,
+                request,
+                self.actor.actor_id,
+                EpisodeLimits.from_config(self.actor.cfg),
+                self.actor.cfg.actor.env_workers,
+            )
             self.actor.conn.send(result)
             self.num_done += 1
         self.pending.extendleft(reversed(waiting))

@@ -59,8 +59,13 @@ class Alarm:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able record (non-finite numbers become null)."""
-        return {"name": self.name, "step": self.step, "policy_version": self.policy_version,
-                "message": self.message, "evidence": json_safe(self.evidence)}  # fmt: skip
+        return {
+            "name": self.name,
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "message": self.message,
+            "evidence": json_safe(self.evidence),
+        }
 
 
 def json_safe(value: Any) -> Any:
@@ -124,13 +129,16 @@ class AlarmMonitor:
         self.ranges: dict[str, list[float]] = {}  # reward component -> [min, max] so far
         self.num_rows = 0
         self.detectors: dict[str, Callable[[], Finding]] = {
-            "ess_collapse": self.ess_collapse, "is_weight_blowup": self.is_weight_blowup,
-            "kl_spike": self.kl_spike, "entropy_collapse": self.entropy_collapse,
+            "ess_collapse": self.ess_collapse,
+            "is_weight_blowup": self.is_weight_blowup,
+            "kl_spike": self.kl_spike,
+            "entropy_collapse": self.entropy_collapse,
             "reward_jump_length": self.reward_jump_length,
             "reward_jump_entropy": self.reward_jump_entropy,
-            "grad_norm_spike": self.grad_norm_spike, "staleness_drift": self.staleness_drift,
+            "grad_norm_spike": self.grad_norm_spike,
+            "staleness_drift": self.staleness_drift,
             "component_saturation": self.component_saturation,
-        }  # fmt: skip
+        }
 
     def observe(self, row: Row) -> list[Alarm]:
         """Add one step's metrics; return the alarms this step fires (usually none)."""
@@ -188,8 +196,9 @@ class AlarmMonitor:
         return self._level("ess", self.cfg.ess_min, below=True, what="effective sample size")
 
     def is_weight_blowup(self) -> Finding:
-        return self._level("is_weight_max", self.cfg.is_weight_max, below=False,
-                           what="largest IS weight")  # fmt: skip
+        return self._level(
+            "is_weight_max", self.cfg.is_weight_max, below=False, what="largest IS weight"
+        )
 
     def _level(self, key: str, bound: float, *, below: bool, what: str) -> Finding:
         values = _values(self.recent, key)
@@ -198,8 +207,13 @@ class AlarmMonitor:
             return None
         side, how = ("below", "collapsed") if below else ("above", "blew up")
         message = f"{what} {how}: window median {key} = {median:.4g} {side} {bound:g}"
-        return message, {"key": key, "median": median, "threshold": bound,
-                         "window": _window(self.recent), "values": _rounded(values)}  # fmt: skip
+        return message, {
+            "key": key,
+            "median": median,
+            "threshold": bound,
+            "window": _window(self.recent),
+            "values": _rounded(values),
+        }
 
     def kl_spike(self) -> Finding:
         return self._spike("mismatch_kl", self.cfg.kl_spike_factor, self.cfg.kl_min)
@@ -216,12 +230,21 @@ class AlarmMonitor:
             return None
         if value < floor or value <= factor * max(median, 1e-12):
             return None
-        message = f"{key} spiked to {value:.4g} (median of the last {len(latest)} steps), " \
-                  f"{value / max(median, 1e-12):.1f}x the median {median:.4g} of the " \
-                  f"{len(before)} steps before"  # fmt: skip
-        return message, {"key": key, "value": value, "earlier_median": median, "factor": factor,
-                         "floor": floor, "latest_values": _rounded(latest), "earlier_window": _window(self.earlier),
-                         "earlier_values": _rounded(before)}  # fmt: skip
+        message = (
+            f"{key} spiked to {value:.4g} (median of the last {len(latest)} steps), "
+            f"{value / max(median, 1e-12):.1f}x the median {median:.4g} of the "
+            f"{len(before)} steps before"
+        )
+        return message, {
+            "key": key,
+            "value": value,
+            "earlier_median": median,
+            "factor": factor,
+            "floor": floor,
+            "latest_values": _rounded(latest),
+            "earlier_window": _window(self.earlier),
+            "earlier_values": _rounded(before),
+        }
 
     def entropy_collapse(self) -> Finding:
         now, before = (
@@ -231,15 +254,19 @@ class AlarmMonitor:
         frac = self.cfg.entropy_collapse_frac
         if not (math.isfinite(now) and math.isfinite(before)) or now >= frac * before:
             return None
-        message = f"entropy collapsed from {before:.4g} to {now:.4g} within a window " \
-                  f"(< {frac:g}x)"  # fmt: skip
+        message = f"entropy collapsed from {before:.4g} to {now:.4g} within a window (< {frac:g}x)"
         return message, self._compare_evidence("entropy", before, now)
 
     def _compare_evidence(self, key: str, before: float, now: float) -> dict[str, Any]:
-        return {"key": key, "earlier": before, "recent": now,
-                "earlier_window": _window(self.earlier), "window": _window(self.recent),
-                "earlier_values": _rounded(_values(self.earlier, key)),
-                "values": _rounded(_values(self.recent, key))}  # fmt: skip
+        return {
+            "key": key,
+            "earlier": before,
+            "recent": now,
+            "earlier_window": _window(self.earlier),
+            "window": _window(self.recent),
+            "earlier_values": _rounded(_values(self.earlier, key)),
+            "values": _rounded(_values(self.recent, key)),
+        }
 
     def _reward_jump(self) -> tuple[float, float] | None:
         before = _mean(_values(self.earlier, "reward_mean"))
@@ -263,11 +290,17 @@ class AlarmMonitor:
         if self.cfg.length_collapse_ratio <= ratio <= self.cfg.length_blowup_ratio:
             return None
         how = "collapsed" if ratio < 1 else "blew up"
-        message = f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the response length " \
-                  f"{how} {before:.1f} -> {now:.1f} tokens"  # fmt: skip
+        message = (
+            f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the response length "
+            f"{how} {before:.1f} -> {now:.1f} tokens"
+        )
         evidence = self._compare_evidence("response_len_mean", before, now)
-        evidence.update(reward_earlier=jump[0], reward_recent=jump[1], length_ratio=ratio,
-                        reward_values=_rounded(_values(self.recent, "reward_mean")))  # fmt: skip
+        evidence.update(
+            reward_earlier=jump[0],
+            reward_recent=jump[1],
+            length_ratio=ratio,
+            reward_values=_rounded(_values(self.recent, "reward_mean")),
+        )
         return message, evidence
 
     def reward_jump_entropy(self) -> Finding:
@@ -280,11 +313,16 @@ class AlarmMonitor:
             return None
         if now / before >= self.cfg.entropy_drop_ratio:
             return None
-        message = f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the entropy collapsed " \
-                  f"{before:.3g} -> {now:.3g}"  # fmt: skip
+        message = (
+            f"reward jumped {jump[0]:.3f} -> {jump[1]:.3f} while the entropy collapsed "
+            f"{before:.3g} -> {now:.3g}"
+        )
         evidence = self._compare_evidence("entropy", before, now)
-        evidence.update(reward_earlier=jump[0], reward_recent=jump[1],
-                        reward_values=_rounded(_values(self.recent, "reward_mean")))  # fmt: skip
+        evidence.update(
+            reward_earlier=jump[0],
+            reward_recent=jump[1],
+            reward_values=_rounded(_values(self.recent, "reward_mean")),
+        )
         return message, evidence
 
     def staleness_drift(self) -> Finding:
@@ -296,9 +334,14 @@ class AlarmMonitor:
         ):
             return None
         message = f"staleness drifted from {base:.2f} (warm-up) to {now:.2f} versions (window)"
-        return message, {"key": "staleness_mean", "warmup": base, "recent": now,
-                         "warmup_window": _window(self.warmup), "window": _window(self.recent),
-                         "values": _rounded(_values(self.recent, "staleness_mean"))}  # fmt: skip
+        return message, {
+            "key": "staleness_mean",
+            "warmup": base,
+            "recent": now,
+            "warmup_window": _window(self.warmup),
+            "window": _window(self.recent),
+            "values": _rounded(_values(self.recent, "staleness_mean")),
+        }
 
     def component_saturation(self) -> Finding:
         eps = self.cfg.saturation_eps
@@ -309,10 +352,16 @@ class AlarmMonitor:
                 continue
             if max(values) - min(values) > eps * span or min(values) < hi - eps * span:
                 continue
-            message = f"reward component {key} saturated: flat at {values[-1]:.4g} (the top of " \
-                      f"its range [{lo:.4g}, {hi:.4g}]) for {len(values)} steps"  # fmt: skip
-            return message, {"key": key, "range": [lo, hi], "window": _window(self.recent),
-                             "values": _rounded(values)}  # fmt: skip
+            message = (
+                f"reward component {key} saturated: flat at {values[-1]:.4g} (the top of "
+                f"its range [{lo:.4g}, {hi:.4g}]) for {len(values)} steps"
+            )
+            return message, {
+                "key": key,
+                "range": [lo, hi],
+                "window": _window(self.recent),
+                "values": _rounded(values),
+            }
         return None
 
 
@@ -346,12 +395,14 @@ def read_alarms(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line torn by a crash
         evidence = r.get("evidence", {})
-        out.append({
-            "name": str(r.get("name") or f"reward:{r.get('alarm', '?')}"),
-            "step": int(r.get("step", 0)),
-            "policy_version": int(r.get("policy_version", r.get("step", 0))),
-            "action": str(r.get("action", "warn")),
-            "message": str(r.get("message") or json.dumps(evidence)),
-            "evidence": evidence,
-        })  # fmt: skip
+        out.append(
+            {
+                "name": str(r.get("name") or f"reward:{r.get('alarm', '?')}"),
+                "step": int(r.get("step", 0)),
+                "policy_version": int(r.get("policy_version", r.get("step", 0))),
+                "action": str(r.get("action", "warn")),
+                "message": str(r.get("message") or json.dumps(evidence)),
+                "evidence": evidence,
+            }
+        )
     return out

@@ -38,11 +38,27 @@ from asyncrl.config_ops import (
 from asyncrl.config_rewards import JudgeConfig, RewardConfig, RewardModelConfig
 
 __all__ = [
-    "ActorConfig", "AlarmsConfig", "EvalConfig", "JudgeConfig", "LaunchConfig", "LearnerConfig",
-    "LossConfig", "MetricsConfig", "ModelConfig", "ReplayConfig", "RewardConfig",
-    "RewardModelConfig", "RunConfig", "RunSection", "TaskConfig", "TrajectoriesConfig",
-    "WeightsConfig", "from_dict", "load_config", "to_toml",
-]  # fmt: skip
+    "ActorConfig",
+    "AlarmsConfig",
+    "EvalConfig",
+    "JudgeConfig",
+    "LaunchConfig",
+    "LearnerConfig",
+    "LossConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "ReplayConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RunConfig",
+    "RunSection",
+    "TaskConfig",
+    "TrajectoriesConfig",
+    "WeightsConfig",
+    "from_dict",
+    "load_config",
+    "to_toml",
+]
 
 
 @dataclass(frozen=True, kw_only=True)

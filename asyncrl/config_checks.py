@@ -15,8 +15,9 @@ def name_value_pairs(text: str, key: str) -> list[tuple[str, str]]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
-        require(bool(sep and name.strip() and value.strip()), key, 'expected "name=value, ..."',
-                part)  # fmt: skip
+        require(
+            bool(sep and name.strip() and value.strip()), key, 'expected "name=value, ..."', part
+        )
         out.append((name.strip(), value.strip()))
     names = [n for n, _ in out]
     require(len(set(names)) == len(names), key, "names a component twice", text)

@@ -85,8 +85,14 @@ class ModelConfig:
     """Parameter dtype for training and generation."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "num_experts"):  # fmt: skip
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "num_experts",
+        ):
             require(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
         require(
             self.hidden_size % self.num_heads == 0,
@@ -299,8 +305,15 @@ class ReplayConfig:
             self.max_message_bytes,
         )
         require(self.hwm >= 1, "replay.hwm", "must be >= 1", self.hwm)
-        require(1 <= self.io_threads <= 64, "replay.io_threads", "must be in [1, 64]", self.io_threads)  # fmt: skip
-        require(self.pack_frames_below >= 0, "replay.pack_frames_below", "must be >= 0 (0 = never)", self.pack_frames_below)  # fmt: skip
+        require(
+            1 <= self.io_threads <= 64, "replay.io_threads", "must be in [1, 64]", self.io_threads
+        )
+        require(
+            self.pack_frames_below >= 0,
+            "replay.pack_frames_below",
+            "must be >= 0 (0 = never)",
+            self.pack_frames_below,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,9 +74,18 @@ class EvalConfig:
         require(self.timeout_s > 0, "eval.timeout_s", "must be > 0", self.timeout_s)
 
 
-ALARM_NAMES = ("nan", "ess_collapse", "is_weight_blowup", "kl_spike", "entropy_collapse",
-               "reward_jump_length", "reward_jump_entropy", "grad_norm_spike", "staleness_drift",
-               "component_saturation")  # fmt: skip
+ALARM_NAMES = (
+    "nan",
+    "ess_collapse",
+    "is_weight_blowup",
+    "kl_spike",
+    "entropy_collapse",
+    "reward_jump_length",
+    "reward_jump_entropy",
+    "grad_norm_spike",
+    "staleness_drift",
+    "component_saturation",
+)
 """Detectors of asyncrl/alarms.py, by the names `alarms.pause_on` / `alarms.stop_on` take."""
 
 
@@ -134,18 +143,34 @@ class AlarmsConfig:
     def __post_init__(self) -> None:
         for name in ("window_steps", "warmup_steps", "cooldown_steps", "spike_steps"):
             require(getattr(self, name) >= 1, f"alarms.{name}", "must be >= 1", getattr(self, name))
-        for name in ("ess_min", "kl_min", "grad_norm_min", "entropy_collapse_frac", "reward_jump",
-                     "length_collapse_ratio", "entropy_drop_ratio", "saturation_eps",
-                     "staleness_drift"):  # fmt: skip
+        for name in (
+            "ess_min",
+            "kl_min",
+            "grad_norm_min",
+            "entropy_collapse_frac",
+            "reward_jump",
+            "length_collapse_ratio",
+            "entropy_drop_ratio",
+            "saturation_eps",
+            "staleness_drift",
+        ):
             require(getattr(self, name) > 0, f"alarms.{name}", "must be > 0", getattr(self, name))
-        for name in ("is_weight_max", "kl_spike_factor", "length_blowup_ratio",
-                     "grad_norm_spike_factor"):  # fmt: skip
+        for name in (
+            "is_weight_max",
+            "kl_spike_factor",
+            "length_blowup_ratio",
+            "grad_norm_spike_factor",
+        ):
             require(getattr(self, name) > 1, f"alarms.{name}", "must be > 1", getattr(self, name))
         for key in ("pause_on", "stop_on"):
             names = self.names(key)
             bad = sorted(set(names) - set(ALARM_NAMES))
-            require(not bad, f"alarms.{key}", f"unknown alarms {bad} (known: all, "
-                    f"{', '.join(ALARM_NAMES)})", getattr(self, key))  # fmt: skip
+            require(
+                not bad,
+                f"alarms.{key}",
+                f"unknown alarms {bad} (known: all, {', '.join(ALARM_NAMES)})",
+                getattr(self, key),
+            )
 
     def names(self, key: str) -> tuple[str, ...]:
         """The alarm names `pause_on` or `stop_on` lists (`all` expanded)."""
@@ -173,10 +198,18 @@ class TrajectoriesConfig:
     """Most outlier and alarm trajectories kept (later ones are counted, not stored)."""
 
     def __post_init__(self) -> None:
-        require(self.sample_every_steps >= 0, "trajectories.sample_every_steps", "must be >= 0",
-                self.sample_every_steps)  # fmt: skip
-        require(self.max_sampled_steps >= 2, "trajectories.max_sampled_steps", "must be >= 2",
-                self.max_sampled_steps)  # fmt: skip
+        require(
+            self.sample_every_steps >= 0,
+            "trajectories.sample_every_steps",
+            "must be >= 0",
+            self.sample_every_steps,
+        )
+        require(
+            self.max_sampled_steps >= 2,
+            "trajectories.max_sampled_steps",
+            "must be >= 2",
+            self.max_sampled_steps,
+        )
         require(self.outlier_z >= 0, "trajectories.outlier_z", "must be >= 0", self.outlier_z)
         require(self.max_flagged >= 0, "trajectories.max_flagged", "must be >= 0", self.max_flagged)
 
@@ -207,11 +240,22 @@ class LaunchConfig:
     """Let the hub bind a non-loopback address without CURVE auth (replay.auth_dir)."""
 
     def __post_init__(self) -> None:
-        for name in ("hub_cpus", "actor_cpus", "actor_gpus", "actor_memory_gb", "learner_cpus",
-                     "learner_gpus", "learner_memory_gb"):  # fmt: skip
+        for name in (
+            "hub_cpus",
+            "actor_cpus",
+            "actor_gpus",
+            "actor_memory_gb",
+            "learner_cpus",
+            "learner_gpus",
+            "learner_memory_gb",
+        ):
             require(getattr(self, name) >= 0, f"launch.{name}", "must be >= 0", getattr(self, name))
-        require(self.actor_max_restarts >= 0, "launch.actor_max_restarts", "must be >= 0",
-                self.actor_max_restarts)  # fmt: skip
+        require(
+            self.actor_max_restarts >= 0,
+            "launch.actor_max_restarts",
+            "must be >= 0",
+            self.actor_max_restarts,
+        )
         self.custom_resources()  # fails on a malformed launch.actor_resources
 
     def custom_resources(self) -> dict[str, float]:
@@ -223,7 +267,10 @@ class LaunchConfig:
                 out[name.strip()] = float(amount)
             except ValueError:
                 eq = ""
-            require(bool(eq) and bool(name.strip()) and out.get(name.strip(), -1) >= 0,
-                    "launch.actor_resources", "must be name=amount pairs, comma-separated",
-                    self.actor_resources)  # fmt: skip
+            require(
+                bool(eq) and bool(name.strip()) and out.get(name.strip(), -1) >= 0,
+                "launch.actor_resources",
+                "must be name=amount pairs, comma-separated",
+                self.actor_resources,
+            )
         return out

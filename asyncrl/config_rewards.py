@@ -53,15 +53,27 @@ class RewardModelConfig:
     def __post_init__(self) -> None:
         require(self.max_batch >= 1, "reward_model.max_batch", "must be >= 1", self.max_batch)
         require(self.max_wait_ms >= 0, "reward_model.max_wait_ms", "must be >= 0", self.max_wait_ms)
-        require(self.max_queue_samples >= self.max_batch, "reward_model.max_queue_samples",
-                "must be >= reward_model.max_batch", self.max_queue_samples)  # fmt: skip
-        require(self.max_length_tokens >= 1, "reward_model.max_length_tokens", "must be >= 1",
-                self.max_length_tokens)  # fmt: skip
+        require(
+            self.max_queue_samples >= self.max_batch,
+            "reward_model.max_queue_samples",
+            "must be >= reward_model.max_batch",
+            self.max_queue_samples,
+        )
+        require(
+            self.max_length_tokens >= 1,
+            "reward_model.max_length_tokens",
+            "must be >= 1",
+            self.max_length_tokens,
+        )
         require(self.timeout_s > 0, "reward_model.timeout_s", "must be > 0", self.timeout_s)
         require(self.retries >= 0, "reward_model.retries", "must be >= 0", self.retries)
         require(self.backoff_s >= 0, "reward_model.backoff_s", "must be >= 0", self.backoff_s)
-        require(self.max_in_flight >= 1, "reward_model.max_in_flight", "must be >= 1",
-                self.max_in_flight)  # fmt: skip
+        require(
+            self.max_in_flight >= 1,
+            "reward_model.max_in_flight",
+            "must be >= 1",
+            self.max_in_flight,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,26 +142,62 @@ class RewardConfig:
     def __post_init__(self) -> None:
         require(bool(self.weight_map), "reward.weights", "must name at least one component", "")
         _ = self.gate_list
-        require(self.clip_max >= self.clip_min, "reward.clip_max", "must be >= reward.clip_min",
-                self.clip_max)  # fmt: skip
+        require(
+            self.clip_max >= self.clip_min,
+            "reward.clip_max",
+            "must be >= reward.clip_min",
+            self.clip_max,
+        )
         require(self.max_retries >= 0, "reward.max_retries", "must be >= 0", self.max_retries)
-        require(self.component_timeout_s > 0, "reward.component_timeout_s", "must be > 0",
-                self.component_timeout_s)  # fmt: skip
-        require(self.overlong_max_tokens >= 0, "reward.overlong_max_tokens", "must be >= 0",
-                self.overlong_max_tokens)  # fmt: skip
-        require(self.overlong_buffer_tokens >= 0, "reward.overlong_buffer_tokens",
-                "must be >= 0", self.overlong_buffer_tokens)  # fmt: skip
-        require(self.repetition_ngram >= 1, "reward.repetition_ngram", "must be >= 1",
-                self.repetition_ngram)  # fmt: skip
-        require(0 <= self.repetition_threshold < 1, "reward.repetition_threshold",
-                "must be in [0, 1)", self.repetition_threshold)  # fmt: skip
+        require(
+            self.component_timeout_s > 0,
+            "reward.component_timeout_s",
+            "must be > 0",
+            self.component_timeout_s,
+        )
+        require(
+            self.overlong_max_tokens >= 0,
+            "reward.overlong_max_tokens",
+            "must be >= 0",
+            self.overlong_max_tokens,
+        )
+        require(
+            self.overlong_buffer_tokens >= 0,
+            "reward.overlong_buffer_tokens",
+            "must be >= 0",
+            self.overlong_buffer_tokens,
+        )
+        require(
+            self.repetition_ngram >= 1,
+            "reward.repetition_ngram",
+            "must be >= 1",
+            self.repetition_ngram,
+        )
+        require(
+            0 <= self.repetition_threshold < 1,
+            "reward.repetition_threshold",
+            "must be in [0, 1)",
+            self.repetition_threshold,
+        )
         require(self.canary_every >= 0, "reward.canary_every", "must be >= 0", self.canary_every)
-        require(self.alarm_window_steps >= 1, "reward.alarm_window_steps", "must be >= 1",
-                self.alarm_window_steps)  # fmt: skip
-        require(0 < self.alarm_collapse_ratio < 1, "reward.alarm_collapse_ratio",
-                "must be in (0, 1)", self.alarm_collapse_ratio)  # fmt: skip
-        require(self.alarm_saturate_steps >= 0, "reward.alarm_saturate_steps", "must be >= 0",
-                self.alarm_saturate_steps)  # fmt: skip
+        require(
+            self.alarm_window_steps >= 1,
+            "reward.alarm_window_steps",
+            "must be >= 1",
+            self.alarm_window_steps,
+        )
+        require(
+            0 < self.alarm_collapse_ratio < 1,
+            "reward.alarm_collapse_ratio",
+            "must be in (0, 1)",
+            self.alarm_collapse_ratio,
+        )
+        require(
+            self.alarm_saturate_steps >= 0,
+            "reward.alarm_saturate_steps",
+            "must be >= 0",
+            self.alarm_saturate_steps,
+        )
         _ = self.module_targets
         if self.format_regex:
             try:
@@ -225,10 +273,11 @@ class JudgeConfig:
 
     def __post_init__(self) -> None:
         require(self.max_grade > 0, "judge.max_grade", "must be > 0", self.max_grade)
-        require(self.max_concurrency >= 1, "judge.max_concurrency", "must be >= 1",
-                self.max_concurrency)  # fmt: skip
-        require(self.max_new_tokens >= 1, "judge.max_new_tokens", "must be >= 1",
-                self.max_new_tokens)  # fmt: skip
+        require(
+            self.max_concurrency >= 1, "judge.max_concurrency", "must be >= 1", self.max_concurrency
+        )
+        require(
+            self.max_new_tokens >= 1, "judge.max_new_tokens", "must be >= 1", self.max_new_tokens
+        )
         require(self.timeout_s > 0, "judge.timeout_s", "must be > 0", self.timeout_s)
-        require(self.cache_entries >= 0, "judge.cache_entries", "must be >= 0",
-                self.cache_entries)  # fmt: skip
+        require(self.cache_entries >= 0, "judge.cache_entries", "must be >= 0", self.cache_entries)

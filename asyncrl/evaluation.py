@@ -52,8 +52,10 @@ def summarize(result: EvalResult) -> dict[str, Any]:
     n = result.num_samples
     prompts = len(result.prompt_ids)
     assert len(result.rewards) == prompts * n, "rewards: num_samples per prompt"
-    passes = [sum(r >= result.pass_threshold for r in result.rewards[i * n : (i + 1) * n])
-              for i in range(prompts)]  # fmt: skip
+    passes = [
+        sum(r >= result.pass_threshold for r in result.rewards[i * n : (i + 1) * n])
+        for i in range(prompts)
+    ]
     finishes = Counter(result.finish_reasons)
     total = max(len(result.rewards), 1)
     record: dict[str, Any] = {

@@ -54,12 +54,16 @@ def unpack(sizes: Any, bufs: list[memoryview]) -> list[memoryview]:
     if type(sizes) is not list or not sizes or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError(PACKED, "must be a non-empty list of buffer sizes (integers >= 0)")
     if len(bufs) != 2:
-        raise ProtocolError(PACKED, f"a packed message has one frame after its header, got {len(bufs) - 1}")  # fmt: skip
+        raise ProtocolError(
+            PACKED, f"a packed message has one frame after its header, got {len(bufs) - 1}"
+        )
     body, out, pos = bufs[1], [bufs[0]], 0
     for size in sizes:
         pos += -pos % ALIGN
         out.append(body[pos : pos + size])
         pos += size
     if pos != body.nbytes:
-        raise ProtocolError(PACKED, f"sizes need {pos} bytes, the frame holds {body.nbytes}", "truncated")  # fmt: skip
+        raise ProtocolError(
+            PACKED, f"sizes need {pos} bytes, the frame holds {body.nbytes}", "truncated"
+        )
     return out

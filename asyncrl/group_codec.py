@@ -112,12 +112,18 @@ _NonNeg = typing.Annotated[int, msgspec.Meta(ge=0)]
 _Finite = typing.Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 _Reason = typing.Literal[FINISH_REASONS]  # type: ignore[valid-type]
 _CHECKED = {  # the rules on single values, checked while parsing (NaN fails both bounds)
-    "seq_lens": list[_NonNeg], "prompt_lens": list[_NonNeg], "rewards": list[_Finite],
-    "min_policy_versions": list[_NonNeg], "max_policy_versions": list[_NonNeg],
-    "finish_reasons": list[_Reason], "timings": dict[str, _Finite], "num_turns": list[_NonNeg],
-    "tool_s": list[_Finite], "env_s": list[_Finite],
+    "seq_lens": list[_NonNeg],
+    "prompt_lens": list[_NonNeg],
+    "rewards": list[_Finite],
+    "min_policy_versions": list[_NonNeg],
+    "max_policy_versions": list[_NonNeg],
+    "finish_reasons": list[_Reason],
+    "timings": dict[str, _Finite],
+    "num_turns": list[_NonNeg],
+    "tool_s": list[_Finite],
+    "env_s": list[_Finite],
     "reward_components": dict[str, list[_Finite]],
-}  # fmt: skip
+}
 
 
 def _head_struct() -> type:
@@ -162,12 +168,23 @@ def finish_group(h: _Head, bufs: list[memoryview], values: bool) -> Group | None
     asyncrl/_hotpath.c's `finish_group`, which does the same in one call where it was built."""
     if h.type != "Group" or h.protocol != PROTOCOL_VERSION or len(bufs) != 4:
         return None
-    seq_lens, prompt_lens, lo, hi = h.seq_lens, h.prompt_lens, h.min_policy_versions, h.max_policy_versions  # fmt: skip
+    seq_lens, prompt_lens, lo, hi = (
+        h.seq_lens,
+        h.prompt_lens,
+        h.min_policy_versions,
+        h.max_policy_versions,
+    )
     n = len(seq_lens)
     if not n or not (
-        len(prompt_lens) == len(lo) == len(hi) == len(h.rewards) == len(h.trajectory_ids)
-        == len(h.finish_reasons) == len(h.reward_failed) == n
-    ):  # fmt: skip
+        len(prompt_lens)
+        == len(lo)
+        == len(hi)
+        == len(h.rewards)
+        == len(h.trajectory_ids)
+        == len(h.finish_reasons)
+        == len(h.reward_failed)
+        == n
+    ):
         return None
     metadata = raw_map(h.metadata)
     if metadata is None or (values and not _rules_ok(h, n)):
@@ -178,15 +195,21 @@ def finish_group(h: _Head, bufs: list[memoryview], values: bool) -> Group | None
         return None
     fields = msgspec.structs.asdict(h)  # Group's fields in order, then type and protocol
     del fields["type"], fields["protocol"]
-    fields.update(tokens=arrays[0], loss_mask=arrays[1], behavior_logprobs=arrays[2],
-                  metadata=metadata)  # fmt: skip
+    fields.update(
+        tokens=arrays[0], loss_mask=arrays[1], behavior_logprobs=arrays[2], metadata=metadata
+    )
     g = new_message(Group, fields)
     return g
 
 
 def _rules_ok(h: _Head, n: int) -> bool:
     """The rules between a group's fields (module docstring) that parsing did not check."""
-    seq_lens, prompt_lens, lo, hi = h.seq_lens, h.prompt_lens, h.min_policy_versions, h.max_policy_versions  # fmt: skip
+    seq_lens, prompt_lens, lo, hi = (
+        h.seq_lens,
+        h.prompt_lens,
+        h.min_policy_versions,
+        h.max_policy_versions,
+    )
     if any(map(_lt, seq_lens, prompt_lens)) or any(map(_gt, lo, hi)):
         return False
     turns, tool_s, env_s, components = h.num_turns, h.tool_s, h.env_s, h.reward_components
@@ -235,8 +258,18 @@ def spans_problem(spans: list[int], lo: list[int], hi: list[int], completion: li
 
 
 if _hotpath is not None:
-    _hotpath.configure(tuple(f.name for f in dataclasses.fields(Group)), PROTOCOL_VERSION,
-                       LOGPROB_SLACK, Group, raw_map, spans_problem, np.frombuffer, _I32, _U8, _F32)  # fmt: skip
+    _hotpath.configure(
+        tuple(f.name for f in dataclasses.fields(Group)),
+        PROTOCOL_VERSION,
+        LOGPROB_SLACK,
+        Group,
+        raw_map,
+        spans_problem,
+        np.frombuffer,
+        _I32,
+        _U8,
+        _F32,
+    )
     _finish = _hotpath.finish_group
 else:
     _finish = finish_group
@@ -246,19 +279,30 @@ OPTIONAL_LISTS = (*EPISODE_LISTS, "version_spans")
 """Per-group lists that stay off the wire when empty."""
 
 
-def _arrays(h: _Head, num_tokens: int, num_completion: int,
-            bufs: list[memoryview]) -> tuple[np.ndarray, ...] | None:  # fmt: skip
+def _arrays(
+    h: _Head, num_tokens: int, num_completion: int, bufs: list[memoryview]
+) -> tuple[np.ndarray, ...] | None:
     """The three arrays, if their references are canonical (frames 1, 2, 3 in field order)
     and those frames hold exactly the bytes the lengths call for."""
     rt, rm, rl = h.tokens, h.loss_mask, h.behavior_logprobs
     if not (
-        rt.frame == 1 and rm.frame == 2 and rl.frame == 3 and rt.dtype == "int32"
-        and rm.dtype == "uint8" and rl.dtype == "float32" and rt.shape == [num_tokens]
-        and rm.shape == [num_completion] and rl.shape == [num_completion]
-    ):  # fmt: skip
+        rt.frame == 1
+        and rm.frame == 2
+        and rl.frame == 3
+        and rt.dtype == "int32"
+        and rm.dtype == "uint8"
+        and rl.dtype == "float32"
+        and rt.shape == [num_tokens]
+        and rm.shape == [num_completion]
+        and rl.shape == [num_completion]
+    ):
         return None
     bt, bm, bl = bufs[1], bufs[2], bufs[3]
-    if bt.nbytes != 4 * num_tokens or bm.nbytes != num_completion or bl.nbytes != 4 * num_completion:  # fmt: skip
+    if (
+        bt.nbytes != 4 * num_tokens
+        or bm.nbytes != num_completion
+        or bl.nbytes != 4 * num_completion
+    ):
         return None
     return np.frombuffer(bt, _I32), np.frombuffer(bm, _U8), np.frombuffer(bl, _F32)
 
@@ -287,8 +331,15 @@ def _values_ok(tokens: np.ndarray, mask: np.ndarray, lp: np.ndarray) -> bool:
     return bool(_highest(mask) <= 1 and _highest(lp) <= LOGPROB_SLACK and _lowest(lp) > -_INF)
 
 
-_LISTS = ("trajectory_ids", "prompt_lens", "rewards", "min_policy_versions",
-          "max_policy_versions", "finish_reasons", "reward_failed")  # fmt: skip
+_LISTS = (
+    "trajectory_ids",
+    "prompt_lens",
+    "rewards",
+    "min_policy_versions",
+    "max_policy_versions",
+    "finish_reasons",
+    "reward_failed",
+)
 
 
 def check_group(g: dict[str, Any], prefix: str, values: bool = True) -> None:

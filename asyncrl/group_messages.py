@@ -177,7 +177,7 @@ class Group:
                 for i, t in enumerate(trajectories)
                 for j in range(0, len(t.version_spans), 2)
                 for x in (i, *t.version_spans[j : j + 2])
-            ],  # fmt: skip
+            ],
             reward_components={
                 k: [float(v) for v in vs] for k, vs in (reward_components or {}).items()
             },

@@ -133,9 +133,15 @@ class HubConnection:
         """Connect, say Hello, wait for Welcome; raises ConnectionError or ProtocolError."""
         assert self._thread is None, "start() called twice"
         self._ctx = zmq.Context()
-        dealer = connect_dealer(self._ctx, self.endpoint, self.hello.client_id, hwm=self.hwm,
-                                max_message_bytes=self.max_message_bytes,
-                                heartbeat_s=self.heartbeat_interval_s, auth_dir=self.auth_dir)  # fmt: skip
+        dealer = connect_dealer(
+            self._ctx,
+            self.endpoint,
+            self.hello.client_id,
+            hwm=self.hwm,
+            max_message_bytes=self.max_message_bytes,
+            heartbeat_s=self.heartbeat_interval_s,
+            auth_dir=self.auth_dir,
+        )
         wake = f"inproc://asyncrl-wake-{next(_wake_ids)}"
         wake_rx = self._ctx.socket(zmq.PAIR)
         wake_rx.bind(wake)
@@ -332,9 +338,13 @@ class HubConnection:
             self._welcomed.set()
             return
         away = time.monotonic() - self._lost_at
-        log.warning("%s: registered again with the hub (%.1f s after it forgot us); re-sending "
-                    "%d unacknowledged groups", self.hello.client_id, away,
-                    len(self._resend_after_welcome))  # fmt: skip
+        log.warning(
+            "%s: registered again with the hub (%.1f s after it forgot us); re-sending "
+            "%d unacknowledged groups",
+            self.hello.client_id,
+            away,
+            len(self._resend_after_welcome),
+        )
         self._resend_unacked(dealer, self._resend_after_welcome)
         for m in self._ledger.latest():
             self._send_frames(dealer, encode(m))

@@ -60,9 +60,12 @@ def family_config(
         return Qwen3Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if model.arch == "qwen3_moe":
         return Qwen3MoeConfig(
-            **common, tie_word_embeddings=False, num_experts=model.num_experts,
+            **common,
+            tie_word_embeddings=False,
+            num_experts=model.num_experts,
             num_experts_per_tok=min(2, model.num_experts),
-            moe_intermediate_size=model.intermediate_size // 2, decoder_sparse_step=1,
+            moe_intermediate_size=model.intermediate_size // 2,
+            decoder_sparse_step=1,
             norm_topk_prob=True,
-        )  # fmt: skip
+        )
     raise ValueError(f"model.arch: unknown family {model.arch!r}")

@@ -70,11 +70,19 @@ def start_reward_server(cfg: RunConfig, procs: Processes, config_path: Path) -> 
     endpoint_file = procs.run_dir / "reward_server.endpoint"
     server = procs.start(
         "reward-server",
-        ["reward-server", "--config", str(config_path), "--model", model,
-         "--endpoint-file", str(endpoint_file),
-         "--stats-file", str(procs.run_dir / "reward_server.json")],
+        [
+            "reward-server",
+            "--config",
+            str(config_path),
+            "--model",
+            model,
+            "--endpoint-file",
+            str(endpoint_file),
+            "--stats-file",
+            str(procs.run_dir / "reward_server.json"),
+        ],
         threads=1,
-    )  # fmt: skip
+    )
     endpoint = wait_for_file(endpoint_file, server, timeout_s=120, name="reward-server")
     rm = dataclasses.replace(cfg.reward_model, model=model, endpoint=endpoint)
     cfg = dataclasses.replace(cfg, reward_model=rm)
@@ -216,16 +224,24 @@ def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False
     try:
         if cfg.reward_model.serve:
             cfg = start_reward_server(cfg, procs, config_path)
-        hub_args = ["replay", "--config", str(config_path), "--dataset", str(dataset),
-                    "--endpoint-file", str(run_dir / "hub.endpoint")]  # fmt: skip
+        hub_args = [
+            "replay",
+            "--config",
+            str(config_path),
+            "--dataset",
+            str(dataset),
+            "--endpoint-file",
+            str(run_dir / "hub.endpoint"),
+        ]
         hub = procs.start("hub", hub_args, threads=1)
         endpoint = wait_for_file(run_dir / "hub.endpoint", hub, timeout_s=60)
         commands = child_commands(cfg, config_path, run_dir, endpoint, hub_args, resume)
         for name, command in commands.items():
             if name != "hub":
                 procs.start(name, *command())
-        supervisor = Supervisor(procs, commands, max_restarts=cfg.run.max_restarts,
-                                backoff_s=cfg.run.restart_backoff_s)  # fmt: skip
+        supervisor = Supervisor(
+            procs, commands, max_restarts=cfg.run.max_restarts, backoff_s=cfg.run.restart_backoff_s
+        )
         reason = supervise(cfg, procs, supervisor, run_dir, start, quiet)
         restarts = supervisor.summary()
     except KeyboardInterrupt:
@@ -261,9 +277,13 @@ def with_state_dir(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
 
 def child_commands(
-    cfg: RunConfig, config_path: Path, run_dir: Path, endpoint: str, hub_args: list[str],
+    cfg: RunConfig,
+    config_path: Path,
+    run_dir: Path,
+    endpoint: str,
+    hub_args: list[str],
     resume: bool,
-) -> dict[str, Callable[[], tuple[list[str], int]]]:  # fmt: skip
+) -> dict[str, Callable[[], tuple[list[str], int]]]:
     """How to (re)start each child: name -> () -> (asyncrl arguments, threads). A restarted hub
     binds the endpoint everyone dials; a restarted learner resumes once a checkpoint exists."""
     learner_threads, actor_threads = thread_split(cfg)
@@ -273,8 +293,16 @@ def child_commands(
     }
     for i in range(cfg.run.num_actors):
         name = f"actor-{i}"
-        args = ["actor", *common, "--actor-id", name, "--index", str(i),
-                "--status-file", str(run_dir / f"{name}.json")]  # fmt: skip
+        args = [
+            "actor",
+            *common,
+            "--actor-id",
+            name,
+            "--index",
+            str(i),
+            "--status-file",
+            str(run_dir / f"{name}.json"),
+        ]
         commands[name] = lambda args=args: (args, actor_threads)
     first = [resume]
 
@@ -293,16 +321,23 @@ def latest_checkpoint_exists(run_dir: Path) -> bool:
 
 
 def supervise(
-    cfg: RunConfig, procs: Processes, supervisor: Supervisor, run_dir: Path, start: float,
+    cfg: RunConfig,
+    procs: Processes,
+    supervisor: Supervisor,
+    run_dir: Path,
+    start: float,
     quiet: bool,
-) -> str:  # fmt: skip
+) -> str:
     """The run's loop: restarts, budget, progress lines; returns why it ended."""
     next_print = 0.0
     tail = MetricsTail(run_dir / "metrics.jsonl")
     while True:
         elapsed = time.monotonic() - start
         if cfg.run.max_wall_s and elapsed > cfg.run.max_wall_s:
-            print(f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached: stopping the learner", flush=True)  # fmt: skip
+            print(
+                f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached: stopping the learner",
+                flush=True,
+            )
             procs.stop(["learner"], grace_s=cfg.weights.timeout_s + 30)
             return f"wall-clock budget of {cfg.run.max_wall_s:.0f} s reached"
         reason = supervisor.check(time.monotonic())
@@ -362,6 +397,9 @@ def main(argv: Sequence[str]) -> int:
         return 130
     reason = summary["reason"]
     ok = reason == "the learner finished" or reason.startswith("wall-clock budget")
-    print(f"run ended: {reason}" + ("" if ok else f"; logs in {run_dir}"), flush=True,
-          file=sys.stdout if ok else sys.stderr)  # fmt: skip
+    print(
+        f"run ended: {reason}" + ("" if ok else f"; logs in {run_dir}"),
+        flush=True,
+        file=sys.stdout if ok else sys.stderr,
+    )
     return 0 if ok else 1

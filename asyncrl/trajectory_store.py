@@ -147,8 +147,9 @@ def read_meta(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def build_table(step: int, groups: Sequence[Group], kept: Sequence[Kept],
-                columns: Mapping[str, Any]) -> dict[str, np.ndarray]:  # fmt: skip
+def build_table(
+    step: int, groups: Sequence[Group], kept: Sequence[Kept], columns: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
     """The columns of one shard (see the module docstring)."""
     views: dict[int, list[Trajectory]] = {}
     trajs = []

@@ -192,8 +192,16 @@ def bind_router(
 RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 100, 5000
 
 
-def connect_dealer(ctx: zmq.Context, endpoint: str, client_id: str, *, hwm: int,
-                   max_message_bytes: int, heartbeat_s: float, auth_dir: str = "") -> zmq.Socket:  # fmt: skip
+def connect_dealer(
+    ctx: zmq.Context,
+    endpoint: str,
+    client_id: str,
+    *,
+    hwm: int,
+    max_message_bytes: int,
+    heartbeat_s: float,
+    auth_dir: str = "",
+) -> zmq.Socket:
     """A client's DEALER, connected to the hub at `endpoint` with routing id `client_id`."""
     dealer = ctx.socket(zmq.DEALER)
     set_socket_options(dealer, hwm, max_message_bytes, heartbeat_s)

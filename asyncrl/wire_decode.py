@@ -32,9 +32,18 @@ from asyncrl.wire_specs import BY_NAME, SPECS
 _K_INT, _K_FLOAT, _K_STR, _K_BOOL, _K_MAP, _K_INTS, _K_FLOATS, _K_STRS, _K_ARRAY, _K_MSGS = range(
     10
 )
-_KIND_CODE = {"int": _K_INT, "float": _K_FLOAT, "str": _K_STR, "bool": _K_BOOL, "map": _K_MAP,
-              "ints": _K_INTS, "floats": _K_FLOATS, "strs": _K_STRS, "array": _K_ARRAY,
-              "msgs": _K_MSGS}  # fmt: skip
+_KIND_CODE = {
+    "int": _K_INT,
+    "float": _K_FLOAT,
+    "str": _K_STR,
+    "bool": _K_BOOL,
+    "map": _K_MAP,
+    "ints": _K_INTS,
+    "floats": _K_FLOATS,
+    "strs": _K_STRS,
+    "array": _K_ARRAY,
+    "msgs": _K_MSGS,
+}
 _TYPE_WORD = {_K_INT: "an integer", _K_STR: "a string", _K_BOOL: "a boolean", _K_MAP: "a map"}
 _EXACT_TYPE = {_K_INT: int, _K_STR: str, _K_BOOL: bool, _K_MAP: dict}
 
@@ -44,8 +53,19 @@ def _fields_of(cls: type) -> tuple[tuple[Any, ...], ...]:
     for s in SPECS[cls]:
         factory = callable(s.default) and not s.required
         itemsize = np.dtype(s.dtype).itemsize if s.dtype else 0
-        out.append((s.name, _KIND_CODE[s.kind], s.required, factory, s.default, s.dtype, s.ndim,
-                    s.nested, itemsize))  # fmt: skip
+        out.append(
+            (
+                s.name,
+                _KIND_CODE[s.kind],
+                s.required,
+                factory,
+                s.default,
+                s.dtype,
+                s.ndim,
+                s.nested,
+                itemsize,
+            )
+        )
     return tuple(out)
 
 
@@ -77,8 +97,9 @@ def decode(
     return _decode_message(frames, bufs, check_values)
 
 
-def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool, path: str = "",
-                    index: int = -1) -> Message:  # fmt: skip
+def _decode_message(
+    frames: Sequence[Any], bufs: list[memoryview], values: bool, path: str = "", index: int = -1
+) -> Message:
     """One whole message: a top-level one, or the `index`-th embedded in field `path` of
     another (the prefix of its error fields is built only if the generic path needs it)."""
     group = decode_group(bufs, values)  # the usual message, on its compiled fast path
@@ -123,8 +144,14 @@ def _decode_message(frames: Sequence[Any], bufs: list[memoryview], values: bool,
     return msg
 
 
-def _decode_obj(cls: type, data: dict[str, Any], bufs: list[memoryview], used: set[int],
-                prefix: str, values: bool) -> Any:  # fmt: skip
+def _decode_obj(
+    cls: type,
+    data: dict[str, Any],
+    bufs: list[memoryview],
+    used: set[int],
+    prefix: str,
+    values: bool,
+) -> Any:
     kwargs: dict[str, Any] = {}
     for name, kind, required, factory, default, dtype, ndim, nested, itemsize in _FIELDS[cls]:
         if name not in data:
@@ -161,8 +188,9 @@ def _decode_float(value: Any, path: str) -> float:
     raise ProtocolError(path, f"must be a number, got {type(value).__name__}")
 
 
-def _decode_msgs(nested: type, value: Any, bufs: list[memoryview], used: set[int], path: str,
-                 values: bool) -> tuple:  # fmt: skip
+def _decode_msgs(
+    nested: type, value: Any, bufs: list[memoryview], used: set[int], path: str, values: bool
+) -> tuple:
     if type(value) is not list:
         raise ProtocolError(path, f"must be a list, got {type(value).__name__}")
     if nested is Group:
@@ -175,8 +203,9 @@ def _decode_msgs(nested: type, value: Any, bufs: list[memoryview], used: set[int
     return tuple(items)
 
 
-def _decode_embedded(counts: list[Any], bufs: list[memoryview], used: set[int], path: str,
-                     values: bool) -> tuple[Group, ...]:  # fmt: skip
+def _decode_embedded(
+    counts: list[Any], bufs: list[memoryview], used: set[int], path: str, values: bool
+) -> tuple[Group, ...]:
     """Groups embedded whole: `counts[i]` frames each (header first), in order, right after
     the frames the outer message's own fields took."""
     start = pos = len(used) + 1
@@ -220,8 +249,15 @@ _INT, _STR, _NUM = {int}, {str}, {int, float}
 _REF_KEYS = {"dtype", "shape", "frame"}
 
 
-def _decode_array(dtype: str, ndim: int, itemsize: int, ref: Any, bufs: list[memoryview],
-                  used: set[int], path: str) -> np.ndarray:  # fmt: skip
+def _decode_array(
+    dtype: str,
+    ndim: int,
+    itemsize: int,
+    ref: Any,
+    bufs: list[memoryview],
+    used: set[int],
+    path: str,
+) -> np.ndarray:
     if type(ref) is not dict or ref.keys() != _REF_KEYS:
         raise ProtocolError(path, "must be an array reference {dtype, shape, frame}")
     shape, index = ref["shape"], ref["frame"]

@@ -55,19 +55,25 @@ def start_run(args: argparse.Namespace, run_dir: Path, out: Path) -> subprocess.
     """`asyncrl run` with its output in `out` (a pipe nobody reads until the end would fill up
     and block the run's supervision loop on its progress lines)."""
     overrides = {
-        "replay.durability": '"durable"', "run.max_wall_s": str(args.duration_s),
-        "run.max_restarts": "1000", "run.restart_backoff_s": "0.5",
-        "run.num_actors": str(args.actors), "learner.max_steps": "100000",
-        "learner.checkpoint_every": "5", "weights.timeout_s": "10.0",
-        "replay.heartbeat_timeout_s": "5.0", "model.cache_dir": json.dumps(args.model_cache),
-    }  # fmt: skip
+        "replay.durability": '"durable"',
+        "run.max_wall_s": str(args.duration_s),
+        "run.max_restarts": "1000",
+        "run.restart_backoff_s": "0.5",
+        "run.num_actors": str(args.actors),
+        "learner.max_steps": "100000",
+        "learner.checkpoint_every": "5",
+        "weights.timeout_s": "10.0",
+        "replay.heartbeat_timeout_s": "5.0",
+        "model.cache_dir": json.dumps(args.model_cache),
+    }
     cmd = [sys.executable, "-m", "asyncrl", "run", args.config, "--run-dir", str(run_dir)]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with out.open("w") as f:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                text=True)  # fmt: skip
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True
+        )
 
 
 def steps_done(run_dir: Path) -> int:
@@ -215,20 +221,41 @@ def main(argv: list[str] | None = None) -> int:
             run.wait()
     summary = json.loads((run_dir / "summary.json").read_text())
     result = {
-        "benchmark": "chaos", "command": " ".join([sys.executable, *sys.argv]),
+        "benchmark": "chaos",
+        "command": " ".join([sys.executable, *sys.argv]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        **env, "run_exit_code": run.returncode,
+        **env,
+        "run_exit_code": run.returncode,
         "run_ended": out.strip().splitlines()[-1] if out.strip() else "",
-        "kills": dict(kills), "kills_total": sum(kills.values()),
-        "restarts": summary.get("restarts", {}), **audit(run_dir),
+        "kills": dict(kills),
+        "kills_total": sum(kills.values()),
+        "restarts": summary.get("restarts", {}),
+        **audit(run_dir),
         "reward_first_tenth": summary.get("reward_first_tenth"),
         "reward_last_tenth": summary.get("reward_last_tenth"),
-        "reward_curve": {"columns": ["time_s", "step", "reward_mean"],
-                         "rows": reward_curve(run_dir)},
-    }  # fmt: skip
+        "reward_curve": {
+            "columns": ["time_s", "step", "reward_mean"],
+            "rows": reward_curve(run_dir),
+        },
+    }
     write_json(args.out, result)
-    print(json.dumps({k: result[k] for k in ("kills", "restarts", "produced", "acked", "consumed",
-                                             "lost", "duplicated", "run_ended")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "kills",
+                    "restarts",
+                    "produced",
+                    "acked",
+                    "consumed",
+                    "lost",
+                    "duplicated",
+                    "run_ended",
+                )
+            }
+        )
+    )
     return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
 
 

@@ -78,19 +78,44 @@ class ActorSystem:
         cfg = load_config(config_path)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         endpoint_file = tmp / "hub.endpoint"
-        self.hub = self._start(["replay", "--config", str(config_path), "--dataset", str(dataset),
-                                "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"],
-                               env, tmp / "hub.log")  # fmt: skip
+        self.hub = self._start(
+            [
+                "replay",
+                "--config",
+                str(config_path),
+                "--dataset",
+                str(dataset),
+                "--endpoint-file",
+                str(endpoint_file),
+                "--log-level",
+                "WARNING",
+            ],
+            env,
+            tmp / "hub.log",
+        )
         while not endpoint_file.exists():
             assert self.hub.poll() is None, (tmp / "hub.log").read_text()
             time.sleep(0.05)
         endpoint = endpoint_file.read_text().strip()
         self.status_file = tmp / "actor-status.json"
-        self.actor = self._start(["actor", "--config", str(config_path), "--hub", endpoint,
-                                  "--actor-id", "bench-actor", "--status-file", str(self.status_file)],
-                                 env, tmp / "actor.log")  # fmt: skip
-        self.conn = HubConnection(endpoint, role="learner", client_id="bench-learner",
-                                  config_hash=cfg.config_hash())  # fmt: skip
+        self.actor = self._start(
+            [
+                "actor",
+                "--config",
+                str(config_path),
+                "--hub",
+                endpoint,
+                "--actor-id",
+                "bench-actor",
+                "--status-file",
+                str(self.status_file),
+            ],
+            env,
+            tmp / "actor.log",
+        )
+        self.conn = HubConnection(
+            endpoint, role="learner", client_id="bench-learner", config_hash=cfg.config_hash()
+        )
         self.conn.start()
         self.request_id = 0
         self.groups_per_batch = cfg.learner.groups_per_step
@@ -106,8 +131,11 @@ class ActorSystem:
         from asyncrl.protocol import Batch, SampleRequest
 
         self.request_id += 1
-        self.conn.send(SampleRequest(request_id=self.request_id, policy_version=0,
-                                     num_groups=self.groups_per_batch))  # fmt: skip
+        self.conn.send(
+            SampleRequest(
+                request_id=self.request_id, policy_version=0, num_groups=self.groups_per_batch
+            )
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.actor.poll() is None, "the actor process exited"
@@ -166,7 +194,7 @@ def bare_rep(engine: Any, cfg: Any, eos_id: int, prompts: list) -> tuple[float, 
         [
             generation_request(cfg.actor, p, n, eos_id, seed=1000 * r + i)
             for i, (p, n) in enumerate(round_prompts)
-        ]  # fmt: skip
+        ]
         for r, round_prompts in enumerate(prompts)
     ]
     tokens = 0
@@ -206,9 +234,12 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
             for key, value in zip(runs, (tps, bare, tpc, bare_cpu), strict=True):
                 runs[key].append(value)
             waits.append(wait)
-            print(f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare:8.0f} tok/s  "
-                  f"ratio {tps / bare:.3f}  per CPU-s ratio {tpc / bare_cpu:.3f}  "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            print(
+                f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare:8.0f} tok/s  "
+                f"ratio {tps / bare:.3f}  per CPU-s ratio {tpc / bare_cpu:.3f}  "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     finally:
         status = system.close()
         engine.close()
@@ -262,16 +293,18 @@ def main() -> None:
             "rounds": args.rounds,
             "warmup_rounds": args.warmup_rounds,
             "threads": args.threads,
-        },  # fmt: skip
+        },
         **env,
         "engines": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     for name, r in results.items():
-        print(f"{name}: actor {r['actor_tokens_per_s']['median']:.0f} tok/s, bare "
-              f"{r['bare_tokens_per_s']['median']:.0f} tok/s, ratio {r['ratio']['median']:.3f} "
-              f"(min {r['ratio']['min']:.3f}, max {r['ratio']['max']:.3f})")  # fmt: skip
+        print(
+            f"{name}: actor {r['actor_tokens_per_s']['median']:.0f} tok/s, bare "
+            f"{r['bare_tokens_per_s']['median']:.0f} tok/s, ratio {r['ratio']['median']:.3f} "
+            f"(min {r['ratio']['min']:.3f}, max {r['ratio']['max']:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,14 @@ def make_env(turns: int, rows_key: str) -> Any:
     from actors.envs.tool_env import ToolEnv
     from actors.envs.toolbox import Toolbox
 
-    return ToolEnv(Toolbox(["lookup"]), EveryTurnCalls(turns, rows_key), lookup_reward,
-                   max_tool_calls=turns, max_tool_errors=turns, raw_text=True)  # fmt: skip
+    return ToolEnv(
+        Toolbox(["lookup"]),
+        EveryTurnCalls(turns, rows_key),
+        lookup_reward,
+        max_tool_calls=turns,
+        max_tool_errors=turns,
+        raw_text=True,
+    )
 
 
 def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namespace) -> dict:
@@ -91,8 +97,7 @@ def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namesp
     limits = EpisodeLimits(max_turns=args.turns, max_new_tokens=args.max_new_tokens)
     engine = TimedEngine(engine)
     keys = iter([r.info["key"] for r in rows for _ in range(args.group_size)])
-    runner = EpisodeRunner(engine, tok, lambda: make_env(args.turns, next(keys)), limits,
-                           workers=0)  # fmt: skip
+    runner = EpisodeRunner(engine, tok, lambda: make_env(args.turns, next(keys)), limits, workers=0)
     todo = list(enumerate(rows))
     episodes = []
     start = time.perf_counter()
@@ -104,8 +109,12 @@ def multi_turn(engine: Any, tok: Any, rows: Sequence[Any], args: argparse.Namesp
             episodes += [(e.prompt, _model_tokens(e), _all_tokens(e)) for e in group.episodes]
     seconds = time.perf_counter() - start
     runner.close()
-    return {"seconds": seconds, "generate_s": engine.seconds, "episodes": len(episodes),
-            "episode_tokens": episodes}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "generate_s": engine.seconds,
+        "episodes": len(episodes),
+        "episode_tokens": episodes,
+    }
 
 
 class TimedEngine:
@@ -151,7 +160,7 @@ def single_turn(engine: Any, episodes: Sequence[tuple[list[int], int]], wave: in
                 max_new_tokens=max(count, 1),
                 stop_token_ids=(),
                 seed=at + i,
-            )  # fmt: skip
+            )
             for i, (prompt, count) in enumerate(episodes[at : at + wave])
         ]
         engine.generate(requests)
@@ -192,9 +201,12 @@ def main() -> int:
         tokens.append(sum(n for _, _, n in eps) / run["episodes"])
         model_tokens.append(sum(n for _, n, _ in eps) / run["episodes"])
         shares.append(run["generate_s"] / run["seconds"])
-        print(f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
-              f"{single_rates[-1]:.1f} (ratio {ratios[-1]:.3f}), single-turn of the model "
-              f"tokens {model_rates[-1]:.1f} (ratio {model_ratios[-1]:.3f})", flush=True)  # fmt: skip
+        print(
+            f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
+            f"{single_rates[-1]:.1f} (ratio {ratios[-1]:.3f}), single-turn of the model "
+            f"tokens {model_rates[-1]:.1f} (ratio {model_ratios[-1]:.3f})",
+            flush=True,
+        )
     result = {
         "command": "python bench/envs.py " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -92,31 +92,60 @@ def codec_stages(group: Group, count: int, reps: int) -> dict[str, float]:
 def hub_stages(group: Group, count: int, reps: int, tmp: Path) -> dict[str, float]:
     """`Hub.handle` per group pushed, then per group served, on a hub with no peers."""
     dataset = tmp / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n"
-                               for i in range(1000)))  # fmt: skip
+    dataset.write_text(
+        "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000))
+    )
     cfg = load_config(None, overrides_for(group.nbytes, BATCH) + ["replay.capacity_groups=100000"])
     hub = Hub(cfg, dataset, bind="tcp://127.0.0.1:0")
     try:
-        hub.handle(b"A", received(Hello(role="actor", client_id="a", protocol_version=PROTOCOL_VERSION,
-                                        config_hash=hub.config_hash, concurrency=1 << 30,
-                                        batched_acks=True, session=5)))  # fmt: skip
-        hub.handle(b"L", received(Hello(role="learner", client_id="l", protocol_version=PROTOCOL_VERSION,
-                                        config_hash=hub.config_hash)))  # fmt: skip
+        hub.handle(
+            b"A",
+            received(
+                Hello(
+                    role="actor",
+                    client_id="a",
+                    protocol_version=PROTOCOL_VERSION,
+                    config_hash=hub.config_hash,
+                    concurrency=1 << 30,
+                    batched_acks=True,
+                    session=5,
+                )
+            ),
+        )
+        hub.handle(
+            b"L",
+            received(
+                Hello(
+                    role="learner",
+                    client_id="l",
+                    protocol_version=PROTOCOL_VERSION,
+                    config_hash=hub.config_hash,
+                )
+            ),
+        )
         count -= count % BATCH
         best = {"hub_handle": float("inf"), "hub_serve": float("inf")}
         seq = request_id = 0
         for _ in range(reps):
             pushes = []
             for item in hub.state.issue(b"A", count):
-                fields = {**group.__dict__, "credit_id": item.credit_id, "prompt_id": item.prompt_id,
-                          "actor_id": "a", "seq": seq}  # fmt: skip
+                fields = {
+                    **group.__dict__,
+                    "credit_id": item.credit_id,
+                    "prompt_id": item.prompt_id,
+                    "actor_id": "a",
+                    "seq": seq,
+                }
                 pushes.append(received(new_message(Group, fields)))
                 seq += 1
             requests = []
             for _ in range(count // BATCH):
                 request_id += 1
-                requests.append(received(SampleRequest(request_id=request_id, policy_version=0,
-                                                       num_groups=BATCH)))  # fmt: skip
+                requests.append(
+                    received(
+                        SampleRequest(request_id=request_id, policy_version=0, num_groups=BATCH)
+                    )
+                )
             start = time.thread_time()
             for frames in pushes:
                 hub.handle(b"A", frames)
@@ -151,15 +180,28 @@ def main() -> None:
             count = max(BATCH, min(2048, args.bytes_per_run // group.nbytes))
             stages = codec_stages(group, count, args.reps)
             stages.update(hub_stages(group, count, args.reps, Path(tmp)))
-            results.append({"group_bytes": group.nbytes, "groups_per_run": count,
-                            "cpu_us_per_group": stages})  # fmt: skip
-            print(f"{group.nbytes:>8} B: " + "  ".join(f"{k} {v:.1f}" for k, v in stages.items()),
-                  flush=True)  # fmt: skip
+            results.append(
+                {"group_bytes": group.nbytes, "groups_per_run": count, "cpu_us_per_group": stages}
+            )
+            print(
+                f"{group.nbytes:>8} B: " + "  ".join(f"{k} {v:.1f}" for k, v in stages.items()),
+                flush=True,
+            )
     command = " ".join([Path(sys.executable).name, *sys.argv])
-    write_json(args.out, {"benchmark": "hub_path", "command": command,
-                          "config": {"reps": args.reps, "batch_groups": BATCH,
-                                     "bytes_per_run": args.bytes_per_run},
-                          **env, "results": results})  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "hub_path",
+            "command": command,
+            "config": {
+                "reps": args.reps,
+                "batch_groups": BATCH,
+                "bytes_per_run": args.bytes_per_run,
+            },
+            **env,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def make_batch(cfg: RunConfig, prompt_len: int, rng: np.random.Generator) -> Bat
                 actor_id="bench",
                 seq=g,
                 trajectories=trajs,
-            )  # fmt: skip
+            )
         )
     return Batch(request_id=0, policy_version=0, groups=tuple(groups), dropped_stale=0, wait_s=0.0)
 

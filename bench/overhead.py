@@ -143,8 +143,11 @@ def main() -> None:
             system_runs.append(system_point(cfg, args.budget_s, Path(tmp)))
             options = [minimal_point(cfg, args.budget_s, t) for t in sorted({1, cores})]
             best = max(options, key=lambda pt: pt["samples_per_s"])
-            print(f"[{rep + 1}/{args.repeats}] system {system_runs[-1]['samples_per_s']:.1f} samples/s, "
-                  f"minimal {best['samples_per_s']:.1f} samples/s ({best['threads']} threads)", flush=True)  # fmt: skip
+            print(
+                f"[{rep + 1}/{args.repeats}] system {system_runs[-1]['samples_per_s']:.1f} samples/s, "
+                f"minimal {best['samples_per_s']:.1f} samples/s ({best['threads']} threads)",
+                flush=True,
+            )
             minimal_runs.append(best)
     ratios = [
         s["samples_per_s"] / m["samples_per_s"]

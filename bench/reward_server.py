@@ -56,8 +56,13 @@ from actors.rewards.rm_client import RewardModelClient  # noqa: E402
 from actors.rewards.rm_model import RewardModel  # noqa: E402
 from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab  # noqa: E402
 
-SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
+SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
 START_WAIT_S = 120.0
 
 
@@ -65,9 +70,15 @@ def build_model(out: Path) -> Path:
     """A random-weight scalar-head model with the tiny tokenizer (never downloaded)."""
     ids = vocab()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(ids), max_position_embeddings=MAX_POSITIONS, num_labels=1,
-                         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
-                         **SHAPE)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(ids),
+        max_position_embeddings=MAX_POSITIONS,
+        num_labels=1,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        **SHAPE,
+    )
     LlamaForSequenceClassification(config).save_pretrained(out, safe_serialization=True)
     build_tokenizer().save_pretrained(out)
     return out
@@ -76,17 +87,31 @@ def build_model(out: Path) -> Path:
 def make_texts(num: int, lo: int, hi: int, seed: int = 0) -> list[str]:
     """`num` texts of lo..hi characters (one token each) and `<eos>`."""
     rng = random.Random(seed)
-    return ["".join(rng.choice("0123456789: ") for _ in range(rng.randint(lo, hi))) + EOS
-            for _ in range(num)]  # fmt: skip
+    return [
+        "".join(rng.choice("0123456789: ") for _ in range(rng.randint(lo, hi))) + EOS
+        for _ in range(num)
+    ]
 
 
 @contextmanager
-def served(model_dir: Path, tmp: Path, max_batch: int, max_wait_ms: float, threads: int) -> Iterator[str]:  # fmt: skip
+def served(
+    model_dir: Path, tmp: Path, max_batch: int, max_wait_ms: float, threads: int
+) -> Iterator[str]:
     """`asyncrl reward-server` in a child process; yields its endpoint; SIGTERM by pid."""
     endpoint_file = tmp / f"endpoint-{max_batch}"
     sets = {"max_batch": max_batch, "max_wait_ms": max_wait_ms, "max_queue_samples": 8192}
-    cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(model_dir),
-           "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "reward-server",
+        "--model",
+        str(model_dir),
+        "--endpoint-file",
+        str(endpoint_file),
+        "--log-level",
+        "WARNING",
+    ]
     for key, value in sets.items():
         cmd += ["--set", f"reward_model.{key}={json.dumps(value)}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # the server's torch threads
@@ -171,7 +196,10 @@ def measure(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, li
     for rep in range(reps):
         for name, fn in variants.items():
             times[name].append(fn())
-        print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {ts[-1]:.3f}s" for n, ts in times.items()), flush=True)  # fmt: skip
+        print(
+            f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {ts[-1]:.3f}s" for n, ts in times.items()),
+            flush=True,
+        )
     return times
 
 
@@ -181,10 +209,20 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256, help="texts scored per repetition")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="server reward_model.max_wait_ms")  # fmt: skip
-    parser.add_argument("--text-chars", type=int, nargs=2, default=[8, 40], metavar=("LO", "HI"),
-                        help="text lengths (sort-task texts are 8-40)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the servers")  # fmt: skip
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=5.0, help="server reward_model.max_wait_ms"
+    )
+    parser.add_argument(
+        "--text-chars",
+        type=int,
+        nargs=2,
+        default=[8, 40],
+        metavar=("LO", "HI"),
+        help="text lengths (sort-task texts are 8-40)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads, here and in the servers"
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward_server.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -201,18 +239,30 @@ def main() -> None:
     }
     for key, value in {**{f"{k}_samples_per_s": v for k, v in med.items()}, **summary}.items():
         print(f"{key:>32}: {value:.3f}")
-    write_json(args.out, {
-        "benchmark": "reward_server",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "config": {"batch": args.batch, "samples": args.samples, "reps": args.reps,
-                   "warmup": args.warmup, "threads": args.threads, "max_wait_ms": args.max_wait_ms, "model": SHAPE,
-                   "text_chars": args.text_chars, "device": "cpu", "dtype": "float32"},
-        **environment(("numpy", "zmq", "msgpack", "torch", "transformers")),
-        "torch_threads": torch.get_num_threads(),
-        "samples_per_s": out["rates"],
-        **summary,
-        "server_stats": out["server_stats"],
-    })  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "reward_server",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "config": {
+                "batch": args.batch,
+                "samples": args.samples,
+                "reps": args.reps,
+                "warmup": args.warmup,
+                "threads": args.threads,
+                "max_wait_ms": args.max_wait_ms,
+                "model": SHAPE,
+                "text_chars": args.text_chars,
+                "device": "cpu",
+                "dtype": "float32",
+            },
+            **environment(("numpy", "zmq", "msgpack", "torch", "transformers")),
+            "torch_threads": torch.get_num_threads(),
+            "samples_per_s": out["rates"],
+            **summary,
+            "server_stats": out["server_stats"],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -52,10 +52,21 @@ from bench.sim.model import SimConfig, simulate  # noqa: E402
 from bench.sim.points import load_points  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-METRICS = ("samples_per_s", "tokens_per_s", "learner_idle_fraction", "actor_idle_fraction",
-           "mean_staleness", "groups_dropped_stale", "mean_step_s", "mean_generate_s",
-           "mean_batch_seqs", "mean_sync_latency_s", "inflight_updates", "mixed_version_frac",
-           "tokens_per_weight_version")  # fmt: skip
+METRICS = (
+    "samples_per_s",
+    "tokens_per_s",
+    "learner_idle_fraction",
+    "actor_idle_fraction",
+    "mean_staleness",
+    "groups_dropped_stale",
+    "mean_step_s",
+    "mean_generate_s",
+    "mean_batch_seqs",
+    "mean_sync_latency_s",
+    "inflight_updates",
+    "mixed_version_frac",
+    "tokens_per_weight_version",
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -83,12 +94,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--warmup", type=int, default=None, help="steps before measuring (default η + 4)"
     )
     pre.add_argument("--repeats", type=int, default=3, help="seeds per η (median/min/max)")
-    pre.add_argument("--modes", default="between_groups,in_flight",
-                     help="actor.weight_update values to predict")  # fmt: skip
-    pre.add_argument("--assume", action="append", default=[], metavar="FIELD=VALUE",
-                     help="override a ClusterAssumptions field")  # fmt: skip
-    pre.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                     help="simulations run in parallel processes")  # fmt: skip
+    pre.add_argument(
+        "--modes", default="between_groups,in_flight", help="actor.weight_update values to predict"
+    )
+    pre.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a ClusterAssumptions field",
+    )
+    pre.add_argument(
+        "--jobs",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="simulations run in parallel processes",
+    )
     pre.add_argument(
         "--what-if-no-weight-wait",
         action="store_true",
@@ -101,8 +122,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
     """Defaults, then the CLI's shape flags, then `--assume field=value`."""
     values: dict[str, Any] = {"world": args.world, "num_actors": args.actors}
-    for flag, name in (("concurrency", "concurrency"), ("group_size", "group_size"),
-                       ("groups_per_step", "groups_per_step")):  # fmt: skip
+    for flag, name in (
+        ("concurrency", "concurrency"),
+        ("group_size", "group_size"),
+        ("groups_per_step", "groups_per_step"),
+    ):
         if getattr(args, flag) is not None:
             values[name] = getattr(args, flag)
     types = {f.name: f.type for f in dataclasses.fields(ClusterAssumptions)}
@@ -116,8 +140,15 @@ def assumptions_from(args: argparse.Namespace) -> ClusterAssumptions:
     return ClusterAssumptions(**values)
 
 
-def sim_config(a: ClusterAssumptions, eta: int, measure: int, warmup: int, seed: int,
-               wait_for_weights: bool = True, mode: str = "between_groups") -> SimConfig:  # fmt: skip
+def sim_config(
+    a: ClusterAssumptions,
+    eta: int,
+    measure: int,
+    warmup: int,
+    seed: int,
+    wait_for_weights: bool = True,
+    mode: str = "between_groups",
+) -> SimConfig:
     """The simulation of one η (and weight-update mode) under the assumptions."""
     plan = a.bucket_plan()
     num_params = plan.total_bytes // a.dtype_bytes
@@ -157,19 +188,29 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         (False, "between_groups")
     ] * args.what_if_no_weight_wait
     warmups = {eta: eta + 4 if args.warmup is None else args.warmup for eta in args.eta}
-    jobs = [(a, eta, args.measure, warmups[eta], seed, wait, mode) for wait, mode in variants
-            for eta in args.eta for seed in range(args.repeats)]  # fmt: skip
+    jobs = [
+        (a, eta, args.measure, warmups[eta], seed, wait, mode)
+        for wait, mode in variants
+        for eta in args.eta
+        for seed in range(args.repeats)
+    ]
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_run_one, jobs))
     out: dict[str, Any] = {"assumptions": dataclasses.asdict(a), "derived": a.derived()}
-    names = {(True, "between_groups"): "predictions", (True, "in_flight"): "predictions_in_flight",
-             (False, "between_groups"): "what_if_no_weight_wait"}  # fmt: skip
+    names = {
+        (True, "between_groups"): "predictions",
+        (True, "in_flight"): "predictions_in_flight",
+        (False, "between_groups"): "what_if_no_weight_wait",
+    }
     for wait, mode in variants:
         rows = []
         for eta in args.eta:
-            runs = [r for job, r in zip(jobs, results, strict=True)
-                    if job[1] == eta and job[5:] == (wait, mode)]  # fmt: skip
+            runs = [
+                r
+                for job, r in zip(jobs, results, strict=True)
+                if job[1] == eta and job[5:] == (wait, mode)
+            ]
             rows.append(_summary(eta, runs) | {"warmup_steps": warmups[eta], "weight_update": mode})
             _print_row(rows[-1], f"{mode}: " if wait else "what-if no weight wait: ")
         out[names[wait, mode]] = rows
@@ -182,10 +223,13 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_row(row: dict[str, Any], prefix: str) -> None:
     m = {k: v["median"] for k, v in row["metrics"].items()}
-    print(f"{prefix}η={row['max_staleness']}: {m['samples_per_s']:.0f} samples/s, learner idle "
-          f"{m['learner_idle_fraction']:.2f}, actor idle {m['actor_idle_fraction']:.2f}, "
-          f"mean staleness {m['mean_staleness']:.2f}, dropped {m['groups_dropped_stale']:.0f}, "
-          f"{row['cpu_s']:.1f} s cpu", flush=True)  # fmt: skip
+    print(
+        f"{prefix}η={row['max_staleness']}: {m['samples_per_s']:.0f} samples/s, learner idle "
+        f"{m['learner_idle_fraction']:.2f}, actor idle {m['actor_idle_fraction']:.2f}, "
+        f"mean staleness {m['mean_staleness']:.2f}, dropped {m['groups_dropped_stale']:.0f}, "
+        f"{row['cpu_s']:.1f} s cpu",
+        flush=True,
+    )
 
 
 def _summary(eta: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,16 +261,22 @@ def print_calibration(section: dict[str, Any]) -> None:
         print(f"calibration {section['status']}")
         return
     g = section["generation"]
-    print(f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
-          f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s; in-flight pause "
-          f"{section.get('inflight_pause_s', 0.0):.4g} s")  # fmt: skip
+    print(
+        f"generation: fixed {g['fixed_s']:.4g} s + {g['step_s']:.4g} s/step + "
+        f"{g['token_s']:.4g} s/token; sync {section['sync_s']:.4g} s; in-flight pause "
+        f"{section.get('inflight_pause_s', 0.0):.4g} s"
+    )
     fit = section["latency_fit"]
-    print(f"message latency {section['message_latency_s'] * 1e3:.3g} ms "
-          f"({fit['status']}; hops per step {[round(h, 2) for h in fit.get('hops_per_step', [])]}); "
-          f"time spread {'on' if section['spread'] else 'off'}")  # fmt: skip
+    print(
+        f"message latency {section['message_latency_s'] * 1e3:.3g} ms "
+        f"({fit['status']}; hops per step {[round(h, 2) for h in fit.get('hops_per_step', [])]}); "
+        f"time spread {'on' if section['spread'] else 'off'}"
+    )
     for loss, f in section["learner"].items():
-        print(f"learner[{loss}]: {f['overhead_s']:.4g} s + {f['token_s']:.4g} s/token/rank "
-              f"+ {f['outside_s']:.4g} s outside the step")  # fmt: skip
+        print(
+            f"learner[{loss}]: {f['overhead_s']:.4g} s + {f['token_s']:.4g} s/token/rank "
+            f"+ {f['outside_s']:.4g} s outside the step"
+        )
     print(
         "loss     mode      η | samples/s meas  sim  err  own | learner wait meas sim own | "
         "actor wait meas sim own | staleness meas sim | drops/step meas sim"
@@ -234,14 +284,16 @@ def print_calibration(section: dict[str, Any]) -> None:
     for p in section["points"]:
         m, s, o = p["measured"], p["simulated"], p["own_times"]
         mode = "in-flight" if p.get("weight_update") == "in_flight" else ""
-        print(f"{p['loss'][:9]:9s}{mode:>9s} {p['max_staleness']:d} | {m['samples_per_s']:8.1f} "
-              f"{s['samples_per_s']:6.1f} {p['rel_err_samples_per_s']:+5.0%} "
-              f"{o['rel_err_samples_per_s']:+5.0%} | {m['learner_wait_fraction']:9.2f} "
-              f"{s['learner_wait_fraction']:.2f} {o['simulated']['learner_wait_fraction']:.2f} | "
-              f"{m['actor_wait_fraction']:10.2f} {s['actor_wait_fraction']:.2f} "
-              f"{o['simulated']['actor_wait_fraction']:.2f} | {_fmt(m['mean_staleness'])} "
-              f"{s['mean_staleness']:.2f} | {_fmt(m['groups_dropped_stale_per_step'])} "
-              f"{s['groups_dropped_stale_per_step']:.2f}")  # fmt: skip
+        print(
+            f"{p['loss'][:9]:9s}{mode:>9s} {p['max_staleness']:d} | {m['samples_per_s']:8.1f} "
+            f"{s['samples_per_s']:6.1f} {p['rel_err_samples_per_s']:+5.0%} "
+            f"{o['rel_err_samples_per_s']:+5.0%} | {m['learner_wait_fraction']:9.2f} "
+            f"{s['learner_wait_fraction']:.2f} {o['simulated']['learner_wait_fraction']:.2f} | "
+            f"{m['actor_wait_fraction']:10.2f} {s['actor_wait_fraction']:.2f} "
+            f"{o['simulated']['actor_wait_fraction']:.2f} | {_fmt(m['mean_staleness'])} "
+            f"{s['mean_staleness']:.2f} | {_fmt(m['groups_dropped_stale_per_step'])} "
+            f"{s['groups_dropped_stale_per_step']:.2f}"
+        )
 
 
 def _fmt(x: float | None) -> str:
@@ -250,8 +302,9 @@ def _fmt(x: float | None) -> str:
 
 def provenance(argv: Sequence[str]) -> dict[str, Any]:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
@@ -261,7 +314,7 @@ def provenance(argv: Sequence[str]) -> dict[str, Any]:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "processor": platform.processor() or platform.machine(),
-        },  # fmt: skip
+        },
         "versions": {"numpy": np.__version__},
     }
 
@@ -281,8 +334,11 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [(k, label) for k, label in (("predictions", "between groups"),
-             ("predictions_in_flight", "in flight")) if k in result]  # fmt: skip
+    modes = [
+        (k, label)
+        for k, label in (("predictions", "between groups"), ("predictions_in_flight", "in flight"))
+        if k in result
+    ]
     rows = result[modes[0][0]]  # the staleness histograms: between groups when predicted
     etas = [r["max_staleness"] for r in rows]
     x = np.arange(len(etas))
@@ -290,8 +346,12 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
 
     def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
         med = np.array([r["metrics"][key]["median"] for r in rows])
-        spread = np.array([[med[i] - r["metrics"][key]["min"], r["metrics"][key]["max"] - med[i]]
-                           for i, r in enumerate(rows)]).T  # fmt: skip
+        spread = np.array(
+            [
+                [med[i] - r["metrics"][key]["min"], r["metrics"][key]["max"] - med[i]]
+                for i, r in enumerate(rows)
+            ]
+        ).T
         return med, spread
 
     a = result["assumptions"]
@@ -305,8 +365,14 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
         ax[1, 1].bar(at, med / steps, width, yerr=err / steps, capsize=3, label=label)
         for metric, style in (("learner_idle_fraction", "-o"), ("actor_idle_fraction", "--s")):
             med, err = series(result[key], metric)
-            ax[0, 1].errorbar(etas, med, yerr=err, fmt=style, capsize=3,
-                              label=f"{metric.replace('_', ' ')} ({label})")  # fmt: skip
+            ax[0, 1].errorbar(
+                etas,
+                med,
+                yerr=err,
+                fmt=style,
+                capsize=3,
+                label=f"{metric.replace('_', ' ')} ({label})",
+            )
     if "what_if_no_weight_wait" in result:
         what_if = [
             r["metrics"]["samples_per_s"]["median"] for r in result["what_if_no_weight_wait"]
@@ -319,10 +385,17 @@ def plot_predictions(result: dict[str, Any], png: Path) -> None:
     hist_width = 0.8 / len(rows)
     for i, r in enumerate(rows):
         hist = np.asarray(r["staleness_histogram"], dtype=float)
-        ax[1, 0].bar(np.arange(hist.size) + i * hist_width, hist / max(1.0, hist.sum()),
-                     hist_width, label=f"η={r['max_staleness']}")  # fmt: skip
-    ax[1, 0].set(title=f"staleness of consumed groups ({modes[0][1]})",
-                 xlabel="policy_version - min_policy_version", ylabel="share of groups")  # fmt: skip
+        ax[1, 0].bar(
+            np.arange(hist.size) + i * hist_width,
+            hist / max(1.0, hist.sum()),
+            hist_width,
+            label=f"η={r['max_staleness']}",
+        )
+    ax[1, 0].set(
+        title=f"staleness of consumed groups ({modes[0][1]})",
+        xlabel="policy_version - min_policy_version",
+        ylabel="share of groups",
+    )
     ax[1, 0].legend()
     ax[1, 1].set(title=f"groups dropped as stale per step (of {a['groups_per_step']})", xlabel="η")
     ax[1, 1].legend()

@@ -48,11 +48,22 @@ from bench.transport import make_group  # noqa: E402
 
 def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     dataset = tmp / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n"
-                               for i in range(1000)))  # fmt: skip
+    dataset.write_text(
+        "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(1000))
+    )
     endpoint_file = tmp / "endpoint"
-    cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset),
-           "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "replay",
+        "--dataset",
+        str(dataset),
+        "--endpoint-file",
+        str(endpoint_file),
+        "--log-level",
+        "WARNING",
+    ]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.Popen(cmd, cwd=REPO)
@@ -78,14 +89,22 @@ def actor(conn: HubConnection, group_bytes: int, stop: threading.Event, pushed: 
             continue
         for item in msg.items:
             seq = conn.next_seq(seq)
-            conn.send(dataclasses.replace(base, actor_id=conn.hello.client_id, seq=seq,
-                                          credit_id=item.credit_id, prompt_id=item.prompt_id))  # fmt: skip
+            conn.send(
+                dataclasses.replace(
+                    base,
+                    actor_id=conn.hello.client_id,
+                    seq=seq,
+                    credit_id=item.credit_id,
+                    prompt_id=item.prompt_id,
+                )
+            )
             pushed.append(seq)
             seq += 1
 
 
-def learner(conn: HubConnection, batch: int, step_s: float, stop: threading.Event,
-            consumed: list) -> None:  # fmt: skip
+def learner(
+    conn: HubConnection, batch: int, step_s: float, stop: threading.Event, consumed: list
+) -> None:
     version, request_id = 0, 0
     while not stop.is_set():
         request_id += 1
@@ -122,23 +141,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="asyncrl-soak-"))
-    overrides = [f"learner.groups_per_step={args.batch}", "replay.max_staleness=1000000",
-                 f"replay.capacity_groups={args.capacity}", "replay.heartbeat_interval_s=0.5",
-                 f"replay.durability=\"{args.durability}\"",
-                 f"replay.state_dir=\"{tmp / 'state'}\""]  # fmt: skip
+    overrides = [
+        f"learner.groups_per_step={args.batch}",
+        "replay.max_staleness=1000000",
+        f"replay.capacity_groups={args.capacity}",
+        "replay.heartbeat_interval_s=0.5",
+        f'replay.durability="{args.durability}"',
+        f'replay.state_dir="{tmp / "state"}"',
+    ]
     cfg_hash = load_config(None, overrides).config_hash()
     hub, endpoint = start_hub(tmp, overrides)
     stop = threading.Event()
     pushed: list[list[int]] = [[] for _ in range(args.actors)]
     consumed: list[tuple[str, int]] = []
-    conns = [HubConnection(endpoint, role="actor", client_id=f"soak-{i}", config_hash=cfg_hash,
-                           concurrency=16, heartbeat_interval_s=0.5) for i in range(args.actors)]  # fmt: skip
-    lconn = HubConnection(endpoint, role="learner", client_id="learner", config_hash=cfg_hash,
-                          heartbeat_interval_s=0.5, acks_batches=True)  # fmt: skip
-    threads = [threading.Thread(target=actor, args=(c, args.group_bytes, stop, pushed[i]))
-               for i, c in enumerate(conns)]  # fmt: skip
-    threads.append(threading.Thread(target=learner, args=(lconn, args.batch,
-                                                          args.learner_step_s, stop, consumed)))  # fmt: skip
+    conns = [
+        HubConnection(
+            endpoint,
+            role="actor",
+            client_id=f"soak-{i}",
+            config_hash=cfg_hash,
+            concurrency=16,
+            heartbeat_interval_s=0.5,
+        )
+        for i in range(args.actors)
+    ]
+    lconn = HubConnection(
+        endpoint,
+        role="learner",
+        client_id="learner",
+        config_hash=cfg_hash,
+        heartbeat_interval_s=0.5,
+        acks_batches=True,
+    )
+    threads = [
+        threading.Thread(target=actor, args=(c, args.group_bytes, stop, pushed[i]))
+        for i, c in enumerate(conns)
+    ]
+    threads.append(
+        threading.Thread(
+            target=learner, args=(lconn, args.batch, args.learner_step_s, stop, consumed)
+        )
+    )
     for conn in [*conns, lconn]:
         conn.start()
     for t in threads:
@@ -167,22 +210,42 @@ def main(argv: list[str] | None = None) -> int:
     total_pushed = sum(map(len, pushed))
     held = s["stored"] + s["groups_lent"]
     result = {
-        "benchmark": "soak", "command": " ".join([sys.executable, *sys.argv]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"}, **environment(),
-        "pushed": total_pushed, "unacked_at_end": unacked, "consumed": len(consumed),
-        "consumed_distinct": len(set(consumed)), "hub_held_at_end": held,
-        "dropped_stale": s["groups_dropped_stale"], "capacity_refusals": s["errors"].get("capacity", 0),
+        "benchmark": "soak",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        **environment(),
+        "pushed": total_pushed,
+        "unacked_at_end": unacked,
+        "consumed": len(consumed),
+        "consumed_distinct": len(set(consumed)),
+        "hub_held_at_end": held,
+        "dropped_stale": s["groups_dropped_stale"],
+        "capacity_refusals": s["errors"].get("capacity", 0),
         "resends_deduplicated": s["groups_duplicate"],
         "unaccounted": total_pushed - len(set(consumed)) - held - s["groups_dropped_stale"],
-        "hub_rss_mib": spread([r for _, r in rss]), "hub_rss_first_half_max_mib": first,
+        "hub_rss_mib": spread([r for _, r in rss]),
+        "hub_rss_first_half_max_mib": first,
         "hub_rss_second_half_max_mib": second,
         "bounded": second <= first + args.batch * args.group_bytes / 2**20 + 16,
         "rss_curve": {"columns": ["time_s", "rss_mib"], "rows": rss},
-    }  # fmt: skip
+    }
     write_json(args.out, result)
-    print(json.dumps({k: result[k] for k in ("pushed", "consumed", "hub_held_at_end",
-                                             "unaccounted", "hub_rss_first_half_max_mib",
-                                             "hub_rss_second_half_max_mib", "bounded")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "pushed",
+                    "consumed",
+                    "hub_held_at_end",
+                    "unaccounted",
+                    "hub_rss_first_half_max_mib",
+                    "hub_rss_second_half_max_mib",
+                    "bounded",
+                )
+            }
+        )
+    )
     return 0 if result["unaccounted"] == 0 and result["bounded"] and not unacked else 1
 
 

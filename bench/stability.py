@@ -41,8 +41,17 @@ from bench_common import environment, spread, write_json  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.run import read_metrics, run  # noqa: E402
 
-DIAGNOSTICS = ("is_weight_mean", "is_weight_max", "ess", "clipped_frac", "masked_frac",
-               "mismatch_kl", "entropy", "grad_norm", "staleness_mean")  # fmt: skip
+DIAGNOSTICS = (
+    "is_weight_mean",
+    "is_weight_max",
+    "ess",
+    "clipped_frac",
+    "masked_frac",
+    "mismatch_kl",
+    "entropy",
+    "grad_norm",
+    "staleness_mean",
+)
 """Per-step learner metrics reported per point as means over the run's steps."""
 
 
@@ -174,8 +183,11 @@ def main() -> None:
             start = time.perf_counter()
             point = run_point(cfg, loss, eta, cfg.run.seed + seed, args.steps, args.tail, Path(tmp))
             points.append(point)
-            print(f"[{i}/{len(combos)}] {loss} η={eta} seed={seed}: reward {point['final_reward']:.3f}"
-                  f" ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"[{i}/{len(combos)}] {loss} η={eta} seed={seed}: reward {point['final_reward']:.3f}"
+                f" ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     out = Path(args.out)
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),

@@ -63,15 +63,28 @@ from staleness_plots import by, plot  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.run import read_metrics, run  # noqa: E402
 
-DIAGNOSTICS = ("is_weight_mean", "is_weight_max", "ess", "clipped_frac", "masked_frac",
-               "mismatch_kl", "entropy", "grad_norm")  # fmt: skip
+DIAGNOSTICS = (
+    "is_weight_mean",
+    "is_weight_max",
+    "ess",
+    "clipped_frac",
+    "masked_frac",
+    "mismatch_kl",
+    "entropy",
+    "grad_norm",
+)
 """Per-step loss diagnostics (learner metrics.jsonl) reported per point as run means."""
 
 
 def run_point(
-    cfg: RunConfig, loss: str, eta: int, seed: int, budget_s: float, work: Path,
+    cfg: RunConfig,
+    loss: str,
+    eta: int,
+    seed: int,
+    budget_s: float,
+    work: Path,
     mode: str = "between_groups",
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One real run; its measurements (curves included, for the reward-at-fixed-x columns)."""
     run_dir = work / f"{loss}-eta{eta}-seed{seed}-{mode}"
     point_cfg = dataclasses.replace(
@@ -145,11 +158,16 @@ def measure(
         "tokens_per_s": tokens / span,
         "learner_wait_fraction": sum(r["wait_data_s"] for r in train) / span,
         "actor_wait_fraction": statistics.fmean(
-            (s.get("wait_credit_s", 0.0) + s.get("wait_weights_s", 0.0)) / w for s, w in zip(actor_stats, actor_wall, strict=True)
-        ) if actor_stats else None,
+            (s.get("wait_credit_s", 0.0) + s.get("wait_weights_s", 0.0)) / w
+            for s, w in zip(actor_stats, actor_wall, strict=True)
+        )
+        if actor_stats
+        else None,
         "actor_wait_weights_fraction": statistics.fmean(
             s.get("wait_weights_s", 0.0) / w for s, w in zip(actor_stats, actor_wall, strict=True)
-        ) if actor_stats else None,
+        )
+        if actor_stats
+        else None,
         "staleness_hist": hist,
         "staleness_mean": sum(k * v for k, v in enumerate(hist)) / max(sum(hist), 1),
         "dropped_stale": sum(int(r["dropped_stale"]) for r in rows),
@@ -158,15 +176,21 @@ def measure(
         "learner_train_fraction": sum(r["step_s"] for r in train) / span,
         # the spread of both sides' times, as 101 quantiles (seconds), for the simulator
         "step_time_quantiles": time_quantiles([r["step_s"] for r in train]),
-        "generate_time_quantiles": time_quantiles([s for a in actors for s in a.get("round_generate_s", ())]),
-        "generate_time_s": statistics.fmean(s.get("generate_s", 0.0) / n for s, n in zip(actor_stats, rounds, strict=True)) if actor_stats else None,
+        "generate_time_quantiles": time_quantiles(
+            [s for a in actors for s in a.get("round_generate_s", ())]
+        ),
+        "generate_time_s": statistics.fmean(
+            s.get("generate_s", 0.0) / n for s, n in zip(actor_stats, rounds, strict=True)
+        )
+        if actor_stats
+        else None,
         "response_lengths": [round(r["response_len_mean"], 3) for r in rows],
         "prompt_tokens": None,  # filled in by main from the config
         "final_reward": statistics.fmean(r["reward_mean"] for r in rows[-tenth:]),
         # the loss's own diagnostics, averaged over the run: how off-policy the data was
         **{key: statistics.fmean(r[key] for r in train) for key in DIAGNOSTICS if key in rows[0]},
         "curve": [[round(r["time_s"], 3), r["step"], round(r["reward_mean"], 4)] for r in rows],
-    }  # fmt: skip
+    }
 
 
 def time_quantiles(seconds: list[float], num: int = 101) -> list[float] | None:
@@ -192,15 +216,28 @@ def reward_at(points: list[dict[str, Any]]) -> None:
         p["reward_at_fixed_steps"] = {"steps": n_fixed, "reward": statistics.fmean(near_n)}
 
 
-MODE_KEYS = ("samples_per_s", "samples_per_cpu_s", "actor_wait_fraction", "learner_wait_fraction",
-             "learner_train_fraction",
-             "tokens_per_weight_version", "dropped_stale", "inflight_updates",
-             "inflight_pause_s", "final_reward")  # fmt: skip
+MODE_KEYS = (
+    "samples_per_s",
+    "samples_per_cpu_s",
+    "actor_wait_fraction",
+    "learner_wait_fraction",
+    "learner_train_fraction",
+    "tokens_per_weight_version",
+    "dropped_stale",
+    "inflight_updates",
+    "inflight_pause_s",
+    "final_reward",
+)
 """Per (mode, η) of the first loss in `by_mode`, median/min/max over seeds."""
 
 
-def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
-              modes: list[str], samples_per_step: int) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    points: list[dict[str, Any]],
+    losses: list[str],
+    etas: list[int],
+    modes: list[str],
+    samples_per_step: int,
+) -> dict[str, Any]:
     """The top-level figures: speed-ups, the in-flight ratio (of medians, and per seed, each
     pair run back to back), reward differences and the per-mode tables."""
     first = losses[0]
@@ -208,8 +245,14 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
     between = [q for q in points if q.get("weight_update", "between_groups") == "between_groups"]
 
     def table(pts: list[dict[str, Any]], loss: str, key: str) -> dict[str, Any]:
-        cells = {str(e): [q[key] for q in pts if q["loss"] == loss and q["max_staleness"] == e
-                          and q.get(key) is not None] for e in etas}  # fmt: skip
+        cells = {
+            str(e): [
+                q[key]
+                for q in pts
+                if q["loss"] == loss and q["max_staleness"] == e and q.get(key) is not None
+            ]
+            for e in etas
+        }
         return {e: spread(values) if values else None for e, values in cells.items()}
 
     for q in points:
@@ -226,8 +269,9 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
     # the learner bounds every point (it hardly waits), so its share of wall time spent in
     # optimizer steps is samples/s with the machine's speed divided out: a ratio that load
     # from other work on the cores changes much less than samples/s
-    trains = [pair([q for q in points if q["seed"] == seed], "learner_train_fraction")
-              for seed in seeds]  # fmt: skip
+    trains = [
+        pair([q for q in points if q["seed"] == seed], "learner_train_fraction") for seed in seeds
+    ]
     return {
         "speedup_eta4_vs_eta0": _ratio(fast, base),
         "speedup_loss": first,
@@ -261,7 +305,7 @@ def summarise(points: list[dict[str, Any]], losses: list[str], etas: list[int],
                 for key in MODE_KEYS
             }
             for mode in modes
-        },  # fmt: skip
+        },
     }
 
 
@@ -277,9 +321,10 @@ def eta8_minus_eta0(points: list[dict[str, Any]], loss: str) -> dict[str, Any]:
         return out | {
             "final_reward_eta8_minus_eta0": data["final_reward_eta8_minus_eta0"],
             "final_reward_eta8_minus_eta0_from": {
-                "file": "bench/results/stability.json", "command": data.get("command"),
+                "file": "bench/results/stability.json",
+                "command": data.get("command"),
             },
-        }  # fmt: skip
+        }
     return out | {
         "final_reward_eta8_minus_eta0": mine,
         "final_reward_eta8_minus_eta0_from": {"file": "this sweep", "loss": loss},
@@ -301,8 +346,12 @@ def main() -> None:
     p.add_argument("--modes", default="between_groups", help="actor.weight_update values")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "staleness.json"))
     p.add_argument("--keep-runs", default="", help="keep every point's run directory under here")
-    p.add_argument("--summarise", default="", metavar="JSON",
-                   help="no runs: summarise and plot the points of an earlier result again")  # fmt: skip
+    p.add_argument(
+        "--summarise",
+        default="",
+        metavar="JSON",
+        help="no runs: summarise and plot the points of an earlier result again",
+    )
     args = p.parse_args()
     if args.summarise:
         resummarise(Path(args.summarise), Path(args.out))
@@ -327,9 +376,11 @@ def main() -> None:
     }
     write_json(out, result)
     plot(points, losses, etas, out, modes)
-    print(f"speedup η=4 vs η=0 ({losses[0]}): {result['speedup_eta4_vs_eta0']}; in-flight η=1 "
-          f"over between-groups η=4: {result['inflight_eta1_over_between_eta4']}; wrote {out}",
-          flush=True)  # fmt: skip
+    print(
+        f"speedup η=4 vs η=0 ({losses[0]}): {result['speedup_eta4_vs_eta0']}; in-flight η=1 "
+        f"over between-groups η=4: {result['inflight_eta1_over_between_eta4']}; wrote {out}",
+        flush=True,
+    )
 
 
 def resummarise(src: Path, out: Path) -> None:
@@ -345,31 +396,51 @@ def resummarise(src: Path, out: Path) -> None:
     data["summarised_by"] = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
     write_json(out, data)
     plot(points, losses, etas, out, modes)
-    print(f"in-flight η=1 over between-groups η=4: {data['inflight_eta1_over_between_eta4']}, "
-          f"learner training share: {data['inflight_eta1_over_between_eta4_train_fraction']}")  # fmt: skip
+    print(
+        f"in-flight η=1 over between-groups η=4: {data['inflight_eta1_over_between_eta4']}, "
+        f"learner training share: {data['inflight_eta1_over_between_eta4_train_fraction']}"
+    )
 
 
-def sweep(cfg: RunConfig, losses: list[str], etas: list[int], modes: list[str], seeds: int,
-          budget_s: float, keep: str) -> list[dict[str, Any]]:  # fmt: skip
+def sweep(
+    cfg: RunConfig,
+    losses: list[str],
+    etas: list[int],
+    modes: list[str],
+    seeds: int,
+    budget_s: float,
+    keep: str,
+) -> list[dict[str, Any]]:
     """Every point, interleaved (per seed: each η's modes and losses back to back) so slow
     drifts in machine load hit all alike; run directories under `keep` (else a temporary one)."""
-    combos = [(loss, eta, seed, mode) for seed in range(seeds) for eta in etas
-              for mode in modes for loss in losses]  # fmt: skip
+    combos = [
+        (loss, eta, seed, mode)
+        for seed in range(seeds)
+        for eta in etas
+        for mode in modes
+        for loss in losses
+    ]
     points = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-staleness-") as tmp:
         for i, (loss, eta, seed, mode) in enumerate(combos, 1):
-            print(f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed} {mode}: running for "
-                  f"{budget_s:.0f} s (loadavg {os.getloadavg()[0]:.1f}) ...", flush=True)  # fmt: skip
+            print(
+                f"[{i}/{len(combos)}] loss={loss} η={eta} seed={seed} {mode}: running for "
+                f"{budget_s:.0f} s (loadavg {os.getloadavg()[0]:.1f}) ...",
+                flush=True,
+            )
             start = time.perf_counter()
             point = run_point(
                 cfg, loss, eta, cfg.run.seed + seed, budget_s, Path(keep or tmp), mode
             )
             point["prompt_tokens"] = cfg.task.num_digits + 2  # <bos>, digits, ':'
             points.append(point)
-            print(f"[{i}/{len(combos)}]   {point['samples_per_s']:.1f} samples/s, learner waits {point['learner_wait_fraction']:.0%}, "
-                  f"actor waits {point['actor_wait_fraction']:.0%}, reward {point['final_reward']:.3f}, "
-                  f"mean staleness {point['staleness_mean']:.2f}, dropped {point['dropped_stale']}, "
-                  f"{point['inflight_updates']} in-flight updates ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"[{i}/{len(combos)}]   {point['samples_per_s']:.1f} samples/s, learner waits {point['learner_wait_fraction']:.0%}, "
+                f"actor waits {point['actor_wait_fraction']:.0%}, reward {point['final_reward']:.3f}, "
+                f"mean staleness {point['staleness_mean']:.2f}, dropped {point['dropped_stale']}, "
+                f"{point['inflight_updates']} in-flight updates ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     return points
 
 

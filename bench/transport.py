@@ -105,14 +105,27 @@ def learner_in_flight(group_bytes: int, batch: int, fixed: int = 0) -> int:
 # --- one repetition of each variant: (wall seconds, CPU seconds of every process involved) --
 
 
-def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count: int, batch: int,
-            rep: str) -> tuple[float, float]:  # fmt: skip
+def run_hub(
+    hub: dict[str, Any], learner: HubConnection, group_bytes: int, count: int, batch: int, rep: str
+) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
     concurrency = max(2 * batch, min(512, ACTOR_IN_FLIGHT_BYTES // group_bytes))
     depth = hub["learner_in_flight"]
-    proc = ctx.Process(target=actor_main, args=(hub["endpoint"], hub["hash"], group_bytes, concurrency,
-                                                count, f"actor-{rep}", ready, go, cpu))  # fmt: skip
+    proc = ctx.Process(
+        target=actor_main,
+        args=(
+            hub["endpoint"],
+            hub["hash"],
+            group_bytes,
+            concurrency,
+            count,
+            f"actor-{rep}",
+            ready,
+            go,
+            cpu,
+        ),
+    )
     proc.start()
     assert ready.wait(120), "actor did not start"
     time.sleep(0.2)  # its first credits arrive before the clock starts
@@ -132,8 +145,11 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
             received += len(msg.groups)
             in_flight -= 1
     elapsed = time.perf_counter() - start
-    parts = {"hub": proc_cpu_s(hub["pid"]) - hub_cpu, "learner": time.process_time() - own_cpu,
-             "actor": cpu.get(timeout=120)}  # fmt: skip
+    parts = {
+        "hub": proc_cpu_s(hub["pid"]) - hub_cpu,
+        "learner": time.process_time() - own_cpu,
+        "actor": cpu.get(timeout=120),
+    }
     loop = proc_cpu_s(hub["pid"], str(hub["pid"])) - loop_cpu
     cpu_s = sum(parts.values())
     parts["hub_loop"] = loop  # part of "hub": the rest is ZeroMQ's I/O thread (and fsyncs)
@@ -143,8 +159,9 @@ def run_hub(hub: dict[str, Any], learner: HubConnection, group_bytes: int, count
     return elapsed, cpu_s
 
 
-def run_raw(group_bytes: int, count: int, relay: bool, cpu_parts: list[dict[str, float]]
-            ) -> tuple[float, float]:  # fmt: skip
+def run_raw(
+    group_bytes: int, count: int, relay: bool, cpu_parts: list[dict[str, float]]
+) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
@@ -211,8 +228,19 @@ def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subpr
     endpoint_file = tmp / "endpoint"
     endpoint_file.unlink(missing_ok=True)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    cmd = [sys.executable, *prof, "-m", "asyncrl", "replay", "--dataset", str(dataset), "--endpoint-file",
-           str(endpoint_file), "--log-level", "WARNING"] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *prof,
+        "-m",
+        "asyncrl",
+        "replay",
+        "--dataset",
+        str(dataset),
+        "--endpoint-file",
+        str(endpoint_file),
+        "--log-level",
+        "WARNING",
+    ] + [a for o in overrides for a in ("--set", o)]
     proc = subprocess.Popen(cmd, cwd=ROOT)
     while not endpoint_file.exists():
         assert proc.poll() is None, "hub exited"
@@ -236,11 +264,17 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         extra = [x.replace("STATE", str(state_dir)) for x in extra]
         profile = f"{args.profile_hub}.{name}.{actual}" if args.profile_hub else ""
         proc, endpoint = start_hub(tmp, overrides + extra, profile)
-        hub = {"endpoint": endpoint, "hash": load_config(None, overrides).config_hash(),
-               "request_id": 0, "pid": proc.pid, "proc": proc,
-               "learner_in_flight": depth}  # fmt: skip
-        hub["learner"] = HubConnection(endpoint, role="learner", client_id="learner",
-                                       config_hash=hub["hash"])  # fmt: skip
+        hub = {
+            "endpoint": endpoint,
+            "hash": load_config(None, overrides).config_hash(),
+            "request_id": 0,
+            "pid": proc.pid,
+            "proc": proc,
+            "learner_in_flight": depth,
+        }
+        hub["learner"] = HubConnection(
+            endpoint, role="learner", client_id="learner", config_hash=hub["hash"]
+        )
         hub["learner"].start()
         hubs[name] = hub
     times: dict[str, list[float]] = {
@@ -267,10 +301,13 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
                     loads.append(os.getloadavg()[0])
                     steals.append(steal)
                 parts = (hubs[name]["cpu_parts"] if name in hubs else raw_parts[name])[-1]
-                print(f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
-                      f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
-                      f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
-                      + " ".join(f"{k}={v:.0f}" for k, v in parts.items()), flush=True)  # fmt: skip
+                print(
+                    f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
+                    f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
+                    f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
+                    + " ".join(f"{k}={v:.0f}" for k, v in parts.items()),
+                    flush=True,
+                )
         logs = durability(hubs["hub_durable"]["learner"]) if "hub_durable" in hubs else {}
     finally:
         for hub in hubs.values():
@@ -297,34 +334,56 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     disk = disk_fsync_mbps(tmp)
     cpu_ratios = [r / h for h, r in zip(cpus["hub"], cpus["raw_relay"], strict=True)]
     return {
-        "group_bytes": actual, "groups_per_rep": count, "batch_groups": batch,
+        "group_bytes": actual,
+        "groups_per_rep": count,
+        "batch_groups": batch,
         "learner_in_flight": depth,
-        "hub_groups_per_s": statistics.median(gps["hub"]), "hub_gbps": statistics.median(gbps["hub"]),
-        "raw_gbps": statistics.median(gbps["raw"]), "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
-        "ratio": statistics.median(ratios), "ratio_vs_relay": statistics.median(relay_ratios),
+        "hub_groups_per_s": statistics.median(gps["hub"]),
+        "hub_gbps": statistics.median(gbps["hub"]),
+        "raw_gbps": statistics.median(gbps["raw"]),
+        "raw_relay_gbps": statistics.median(gbps["raw_relay"]),
+        "ratio": statistics.median(ratios),
+        "ratio_vs_relay": statistics.median(relay_ratios),
         **durable_vs_volatile(times, count),
         **logs,
         "disk_fsync_mbps": disk,
         "durable_ceiling_over_volatile": disk / 1e3 / statistics.median(gbps["hub"]),
-        "hub_groups_per_s_stats": spread(gps["hub"]), "hub_gbps_stats": spread(gbps["hub"]),
-        "raw_gbps_stats": spread(gbps["raw"]), "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
-        "ratio_stats": spread(ratios), "ratio_vs_relay_stats": spread(relay_ratios),
-        "loadavg_1min": spread(loads), "steal_pct": spread(steals), "hub_overrides": overrides,
+        "hub_groups_per_s_stats": spread(gps["hub"]),
+        "hub_gbps_stats": spread(gbps["hub"]),
+        "raw_gbps_stats": spread(gbps["raw"]),
+        "raw_relay_gbps_stats": spread(gbps["raw_relay"]),
+        "ratio_stats": spread(ratios),
+        "ratio_vs_relay_stats": spread(relay_ratios),
+        "loadavg_1min": spread(loads),
+        "steal_pct": spread(steals),
+        "hub_overrides": overrides,
         "cpu_us_per_group": {name: spread(v) for name, v in cpus.items()},
-        "cpu_busy_share": {name: spread([c * count / 1e6 / t / (os.cpu_count() or 1)
-                                         for c, t in zip(cpus[name], times[name], strict=True)])
-                           for name in cpus},
-        **{f"{name}_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
-            for k in ("actor", "hub", "hub_loop", "learner")
-        } for name in ("hub", "hub_durable")},
-        **{f"{name}_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in raw_parts[name][1:]]) for k in raw_parts[name][0]
-        } for name in ("raw", "raw_relay")},
+        "cpu_busy_share": {
+            name: spread(
+                [
+                    c * count / 1e6 / t / (os.cpu_count() or 1)
+                    for c, t in zip(cpus[name], times[name], strict=True)
+                ]
+            )
+            for name in cpus
+        },
+        **{
+            f"{name}_cpu_us_per_group_by_process": {
+                k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
+                for k in ("actor", "hub", "hub_loop", "learner")
+            }
+            for name in ("hub", "hub_durable")
+        },
+        **{
+            f"{name}_cpu_us_per_group_by_process": {
+                k: spread([p[k] for p in raw_parts[name][1:]]) for k in raw_parts[name][0]
+            }
+            for name in ("raw", "raw_relay")
+        },
         # the ratio CPU time alone predicts (both variants near cpu_busy_share 1): relay / hub
         "relay_cpu_over_hub_cpu": statistics.median(cpu_ratios),
         "relay_cpu_over_hub_cpu_stats": spread(cpu_ratios),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -339,16 +398,24 @@ def main() -> None:
     p.add_argument(
         "--sizes", default=",".join(map(str, SIZES)), help="approximate group sizes in bytes"
     )
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"subset to run (profiling), or more: {', '.join(EXTRA_VARIANTS)}")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"subset to run (profiling), or more: {', '.join(EXTRA_VARIANTS)}",
+    )
     p.add_argument(
         "--learner-in-flight",
         type=int,
         default=0,
         help="sample requests the learner keeps out (0: 64 MB worth, at least 4)",
     )
-    p.add_argument("--hub-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a setting for every hub variant (e.g. replay.io_threads=1)")  # fmt: skip
+    p.add_argument(
+        "--hub-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every hub variant (e.g. replay.io_threads=1)",
+    )
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
     args = p.parse_args()
@@ -378,8 +445,10 @@ def main() -> None:
     for r in results:
         if r.get("partial"):
             continue
-        print(f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
-              f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f} | vs relay {r['ratio_vs_relay']:.2f} | durable/volatile {r['durable_over_volatile']:.2f}")  # fmt: skip
+        print(
+            f"{r['group_bytes']:>8} B: hub {r['hub_groups_per_s']:8.0f} groups/s {r['hub_gbps']:6.2f} GB/s | "
+            f"raw {r['raw_gbps']:6.2f} GB/s | relay {r['raw_relay_gbps']:6.2f} GB/s | ratio {r['ratio']:.2f} | vs relay {r['ratio_vs_relay']:.2f} | durable/volatile {r['durable_over_volatile']:.2f}"
+        )
 
 
 if __name__ == "__main__":

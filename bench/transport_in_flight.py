@@ -30,9 +30,20 @@ from bench_common import environment, spread, write_json  # noqa: E402
 
 def one_run(depth: int, size: int, reps: int, out: Path) -> dict[str, Any]:
     """One bench/transport.py run of hub and hub_durable at `depth`; its result for `size`."""
-    cmd = [sys.executable, str(ROOT / "bench" / "transport.py"), "--sizes", str(size),
-           "--variants", "hub,hub_durable", "--reps", str(reps),
-           "--learner-in-flight", str(depth), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "transport.py"),
+        "--sizes",
+        str(size),
+        "--variants",
+        "hub,hub_durable",
+        "--reps",
+        str(reps),
+        "--learner-in-flight",
+        str(depth),
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["results"][0]
 
@@ -58,27 +69,35 @@ def main() -> None:
         for i in range(args.runs):
             for size, name in ((size, name) for size in sizes for name in depths):
                 r = one_run(depths[name], size, args.reps, Path(tmp) / "transport.json")
-                runs[str(size)][name].append({
-                    "learner_in_flight": r["learner_in_flight"],
-                    "durable_over_volatile": r["durable_over_volatile"],
-                    "hub_groups_per_s": r["hub_groups_per_s"],
-                    "hub_durable_groups_per_s": r["hub_durable_groups_per_s"],
-                })  # fmt: skip
-                print(f"run {i} {size:>7} B {name:>11}: durable/volatile {r['durable_over_volatile']:.2f}  "
-                      f"volatile {r['hub_groups_per_s']:.0f} g/s  durable "
-                      f"{r['hub_durable_groups_per_s']:.0f} g/s", flush=True)  # fmt: skip
+                runs[str(size)][name].append(
+                    {
+                        "learner_in_flight": r["learner_in_flight"],
+                        "durable_over_volatile": r["durable_over_volatile"],
+                        "hub_groups_per_s": r["hub_groups_per_s"],
+                        "hub_durable_groups_per_s": r["hub_durable_groups_per_s"],
+                    }
+                )
+                print(
+                    f"run {i} {size:>7} B {name:>11}: durable/volatile {r['durable_over_volatile']:.2f}  "
+                    f"volatile {r['hub_groups_per_s']:.0f} g/s  durable "
+                    f"{r['hub_durable_groups_per_s']:.0f} g/s",
+                    flush=True,
+                )
     keys = ("durable_over_volatile", "hub_groups_per_s", "hub_durable_groups_per_s")
     summary = {
         size: {name: {key: spread([r[key] for r in rs]) for key in keys} for name, rs in by.items()}
         for size, by in runs.items()
     }
-    write_json(args.out, {
-        "benchmark": "transport_in_flight",
-        "command": "python bench/transport_in_flight.py " + " ".join(sys.argv[1:]),
-        "runs": runs,
-        "summary": summary,
-        **environment(packages=("numpy", "zmq", "msgpack")),
-    })  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "transport_in_flight",
+            "command": "python bench/transport_in_flight.py " + " ".join(sys.argv[1:]),
+            "runs": runs,
+            "summary": summary,
+            **environment(packages=("numpy", "zmq", "msgpack")),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,28 @@ def overrides_for(group_bytes: int, batch: int) -> list[str]:
     ]
 
 
-def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: int, count: int,
-               client_id: str, ready: Any, go: Any, cpu: Any) -> None:  # fmt: skip
+def actor_main(
+    endpoint: str,
+    config_hash: str,
+    group_bytes: int,
+    concurrency: int,
+    count: int,
+    client_id: str,
+    ready: Any,
+    go: Any,
+    cpu: Any,
+) -> None:
     """Push `count` groups, one per credit, as fast as credits come."""
     # each group is the template under its credit and seq; built without the dataclass
     # __init__ (dataclasses.replace): what an actor spends making groups is not measured here
     fields = {**make_group(group_bytes).__dict__, "actor_id": client_id}
-    conn = HubConnection(endpoint, role="actor", client_id=client_id, config_hash=config_hash,
-                         concurrency=concurrency)  # fmt: skip
+    conn = HubConnection(
+        endpoint,
+        role="actor",
+        client_id=client_id,
+        config_hash=config_hash,
+        concurrency=concurrency,
+    )
     conn.start()
     gc.freeze()  # as the hub does: long-lived objects out of the collector's way
     ready.set()
@@ -70,8 +84,17 @@ def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: i
         assert msg is not None, "no credits for 10 s"
         if isinstance(msg, Credits):
             for item in msg.items[: count - seq]:
-                conn.send(new_message(Group, {**fields, "credit_id": item.credit_id,
-                                              "prompt_id": item.prompt_id, "seq": seq}))  # fmt: skip
+                conn.send(
+                    new_message(
+                        Group,
+                        {
+                            **fields,
+                            "credit_id": item.credit_id,
+                            "prompt_id": item.prompt_id,
+                            "seq": seq,
+                        },
+                    )
+                )
                 seq += 1
     while conn.unacked():
         time.sleep(0.001)
@@ -79,8 +102,9 @@ def actor_main(endpoint: str, config_hash: str, group_bytes: int, concurrency: i
     conn.close()
 
 
-def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any,
-                  cpu: Any) -> None:  # fmt: skip
+def raw_push_main(
+    endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any, cpu: Any
+) -> None:
     """Send the frames of `count` groups (same header bytes and arrays the hub path moves)."""
     frames = [
         bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))
@@ -88,8 +112,9 @@ def raw_push_main(endpoint: str, group_bytes: int, count: int, bind: bool, ready
     push_frames(endpoint, frames, count, bind, ready, go, cpu)
 
 
-def push_frames(endpoint: str, frames: list[Any], count: int, bind: bool, ready: Any, go: Any,
-                cpu: Any) -> None:  # fmt: skip
+def push_frames(
+    endpoint: str, frames: list[Any], count: int, bind: bool, ready: Any, go: Any, cpu: Any
+) -> None:
     """Send `frames` as one message `count` times through a PUSH socket, once `go` is set; put
     the CPU seconds this process spent on `cpu` (ZeroMQ's I/O thread included)."""
     ctx = zmq.Context()

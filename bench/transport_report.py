@@ -23,8 +23,9 @@ def durable_vs_volatile(times: dict[str, list[float]], count: int) -> dict[str, 
     }
 
 
-def packing_ab(times: dict[str, list[float]], cpus: dict[str, list[float]],
-               hubs: dict[str, Any], count: int) -> dict[str, Any]:  # fmt: skip
+def packing_ab(
+    times: dict[str, list[float]], cpus: dict[str, list[float]], hubs: dict[str, Any], count: int
+) -> dict[str, Any]:
     """`hub` (batches packed as `replay.pack_frames_below` says) against `hub_unpacked` (never),
     repetition by repetition: throughput and CPU time per group, by process."""
     if not times["hub"]:
@@ -36,11 +37,14 @@ def packing_ab(times: dict[str, list[float]], cpus: dict[str, list[float]],
         "packed_over_unpacked_cpu": spread(cpu),
         "packed_groups_per_s": statistics.median(count / t for t in times["hub"]),
         "unpacked_groups_per_s": statistics.median(count / t for t in times["hub_unpacked"]),
-        **{f"{name}_cpu_us_per_group_by_process": {
-            k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
-            for k in ("actor", "hub", "hub_loop", "learner")
-        } for name in ("hub", "hub_unpacked")},
-    }  # fmt: skip
+        **{
+            f"{name}_cpu_us_per_group_by_process": {
+                k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
+                for k in ("actor", "hub", "hub_loop", "learner")
+            }
+            for name in ("hub", "hub_unpacked")
+        },
+    }
 
 
 TARGETS = {"ratio_vs_relay": 0.8, "hub_groups_per_s_32k": 10_000, "durable_over_volatile_256k": 0.7}
@@ -50,9 +54,23 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The goals of this benchmark (medians against them): hub >= 0.8x the two-hop relay at
     every size, >= 10,000 groups/s at 32 KB, durable >= 0.7x volatile at 256 KB."""
     done = [r for r in results if not r.get("partial")]
-    near = {size: min(done, key=lambda r: abs(r["group_bytes"] - size)) for size in (32 << 10, 256 << 10)} if done else {}  # fmt: skip
-    met: dict[str, bool] = {f"ratio_vs_relay_{r['group_bytes']}": r["ratio_vs_relay"] >= TARGETS["ratio_vs_relay"] for r in done}  # fmt: skip
+    near = (
+        {
+            size: min(done, key=lambda r: abs(r["group_bytes"] - size))
+            for size in (32 << 10, 256 << 10)
+        }
+        if done
+        else {}
+    )
+    met: dict[str, bool] = {
+        f"ratio_vs_relay_{r['group_bytes']}": r["ratio_vs_relay"] >= TARGETS["ratio_vs_relay"]
+        for r in done
+    }
     if near:
-        met["hub_groups_per_s_32k"] = near[32 << 10]["hub_groups_per_s"] >= TARGETS["hub_groups_per_s_32k"]  # fmt: skip
-        met["durable_over_volatile_256k"] = near[256 << 10]["durable_over_volatile"] >= TARGETS["durable_over_volatile_256k"]  # fmt: skip
+        met["hub_groups_per_s_32k"] = (
+            near[32 << 10]["hub_groups_per_s"] >= TARGETS["hub_groups_per_s_32k"]
+        )
+        met["durable_over_volatile_256k"] = (
+            near[256 << 10]["durable_over_volatile"] >= TARGETS["durable_over_volatile_256k"]
+        )
     return {"goals": TARGETS, "met": met}

@@ -151,9 +151,12 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.6, help="target length of a learner step")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "weights.json"))
     parser.add_argument(
-        "--world", type=int, default=1, choices=(1, 2),
+        "--world",
+        type=int,
+        default=1,
+        choices=(1, 2),
         help="2: publication from a 2-rank FSDP2 learner vs 1 rank (bench/weights_world.py)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.world == 2:
         from weights_world import main as world_main
@@ -176,8 +179,10 @@ def make_model(shapes: dict, bucket_bytes: int) -> tuple[BucketPlan, dict]:
     torch.manual_seed(0)
     params = {n: torch.randn(s) for n, s in shapes.items()}
     plan = BucketPlan.from_params([(n, s, "float32") for n, s in shapes.items()], bucket_bytes)
-    print(f"model: {plan.num_tensors} tensors, {plan.total_bytes / 4e6:.1f} M params, "
-          f"{plan.total_bytes / 1e6:.0f} MB, {len(plan.buckets)} buckets of <= {bucket_bytes >> 20} MiB")  # fmt: skip
+    print(
+        f"model: {plan.num_tensors} tensors, {plan.total_bytes / 4e6:.1f} M params, "
+        f"{plan.total_bytes / 1e6:.0f} MB, {len(plan.buckets)} buckets of <= {bucket_bytes >> 20} MiB"
+    )
     return plan, params
 
 
@@ -222,8 +227,16 @@ def with_receivers(cfg: Any, plan: BucketPlan, work: Any) -> dict[str, list[floa
                 p.join()
 
 
-def measure_many(args: Any, plan: BucketPlan, params: dict, raw_pg: Any, group: GlooGroup,
-                 publisher: WeightPublisher, results: Any, command: Any) -> dict[str, list[float]]:  # fmt: skip
+def measure_many(
+    args: Any,
+    plan: BucketPlan,
+    params: dict,
+    raw_pg: Any,
+    group: GlooGroup,
+    publisher: WeightPublisher,
+    results: Any,
+    command: Any,
+) -> dict[str, list[float]]:
     """Per-tensor vs bucketed on the many-small-tensors model, interleaved rep by rep."""
     per_tensor = [params[n] for n, _, _ in plan.params()]
     staging = allocate_staging(plan)
@@ -244,8 +257,16 @@ def measure_many(args: Any, plan: BucketPlan, params: dict, raw_pg: Any, group: 
     return times
 
 
-def measure(args: Any, plan: BucketPlan, params: dict, raw_pg: Any, group: GlooGroup,
-            publisher: WeightPublisher, results: Any, command: Any) -> dict[str, list[float]]:  # fmt: skip
+def measure(
+    args: Any,
+    plan: BucketPlan,
+    params: dict,
+    raw_pg: Any,
+    group: GlooGroup,
+    publisher: WeightPublisher,
+    results: Any,
+    command: Any,
+) -> dict[str, list[float]]:
     flat = torch.ones(plan.total_bytes, dtype=torch.uint8)
     per_tensor = [params[n] for n, _, _ in plan.params()]
     staging = allocate_staging(plan)
@@ -332,7 +353,7 @@ def report(
             "reps": args.reps,
             "warmup": args.warmup,
             "step_target_s": args.step_s,
-        },  # fmt: skip
+        },
         **environment(("torch", "msgpack")),
         "torch_threads": torch.get_num_threads(),
         **summary,

@@ -38,10 +38,15 @@ from bench_common import environment, spread  # noqa: E402
 
 GIB = 1 << 30
 QWEN2_7B = {
-    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-    "max_position_embeddings": 4096, "tie_word_embeddings": False,
-}  # fmt: skip
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 
 
 def _receiver(port: int, nbytes: int, reps: int) -> None:
@@ -122,8 +127,14 @@ def sync_7b(reps: int) -> dict[str, Any]:
         shapes = {
             n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()
         }
-    llm = LLM(model=str(model_dir), dtype="bfloat16", load_format="dummy", enforce_eager=True,
-              gpu_memory_utilization=0.4, worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        load_format="dummy",
+        enforce_eager=True,
+        gpu_memory_utilization=0.4,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
     learner = [
         (n, torch.randn(s, dtype=torch.bfloat16, device="cuda:0")) for n, s in shapes.items()
     ]

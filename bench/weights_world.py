@@ -55,10 +55,14 @@ def build_model() -> torch.nn.Module:
     hidden, kv = SHAPE["hidden"], SHAPE["kv_dim"]
     heads = hidden // 64
     config = Qwen2Config(
-        hidden_size=hidden, num_hidden_layers=SHAPE["num_layers"], num_attention_heads=heads,
-        num_key_value_heads=heads * kv // hidden, intermediate_size=SHAPE["intermediate"],
-        vocab_size=SHAPE["vocab"], tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=hidden,
+        num_hidden_layers=SHAPE["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads * kv // hidden,
+        intermediate_size=SHAPE["intermediate"],
+        vocab_size=SHAPE["vocab"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 
@@ -98,8 +102,16 @@ def measure(args: Any, cfg: Any) -> dict[str, list[float]]:
             rank1.wait()
 
 
-def _reps(args: Any, full: torch.nn.Module, source: ShardedSource, raw_pg: Any, group: Any,
-          publisher: Any, results: Any, command: Any) -> dict[str, list[float]]:  # fmt: skip
+def _reps(
+    args: Any,
+    full: torch.nn.Module,
+    source: ShardedSource,
+    raw_pg: Any,
+    group: Any,
+    publisher: Any,
+    results: Any,
+    command: Any,
+) -> dict[str, list[float]]:
     del raw_pg, group, command  # the receivers follow announcements only
     times: dict[str, list[float]] = {"world1_publish": [], "world2_publish": []}
     version = 0

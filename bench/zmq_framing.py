@@ -58,8 +58,9 @@ def message(layout: str, group_bytes: int) -> tuple[list[bytes], int]:
     return frames, 1
 
 
-def sender_main(endpoint: str, layout: str, group_bytes: int, messages: int, ready: Any,
-                go: Any, cpu: Any) -> None:  # fmt: skip
+def sender_main(
+    endpoint: str, layout: str, group_bytes: int, messages: int, ready: Any, go: Any, cpu: Any
+) -> None:
     push_frames(endpoint, message(layout, group_bytes)[0], messages, False, ready, go, cpu)
 
 
@@ -73,8 +74,10 @@ def run(layout: str, group_bytes: int, groups: int) -> dict[str, float]:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     ctx = mp.get_context("spawn")
     ready, go, cpu = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=sender_main, args=(f"tcp://127.0.0.1:{port}", layout, group_bytes,
-                                                 messages, ready, go, cpu))  # fmt: skip
+    proc = ctx.Process(
+        target=sender_main,
+        args=(f"tcp://127.0.0.1:{port}", layout, group_bytes, messages, ready, go, cpu),
+    )
     proc.start()
     try:
         assert ready.wait(120), "sender did not start"
@@ -94,8 +97,11 @@ def run(layout: str, group_bytes: int, groups: int) -> dict[str, float]:
         pull.close(linger=0)
         zctx.term()
     n = messages * per_message
-    return {"sender_cpu_us_per_group": sender / n * 1e6,
-            "receiver_cpu_us_per_group": receiver / n * 1e6, "groups_per_s": n / elapsed}  # fmt: skip
+    return {
+        "sender_cpu_us_per_group": sender / n * 1e6,
+        "receiver_cpu_us_per_group": receiver / n * 1e6,
+        "groups_per_s": n / elapsed,
+    }
 
 
 def bench_size(group_bytes: int, reps: int, bytes_per_rep: int) -> dict[str, Any]:
@@ -106,9 +112,12 @@ def bench_size(group_bytes: int, reps: int, bytes_per_rep: int) -> dict[str, Any
     for rep in range(reps + 1):  # rep 0 warms up
         for layout in LAYOUTS:
             r = run(layout, group_bytes, groups)
-            print(f"  {actual:>8} B  rep {rep}  {layout:<8}  sender {r['sender_cpu_us_per_group']:7.1f}"
-                  f"  receiver {r['receiver_cpu_us_per_group']:7.1f} CPU us/group"
-                  f"  {r['groups_per_s']:8.0f} groups/s", flush=True)  # fmt: skip
+            print(
+                f"  {actual:>8} B  rep {rep}  {layout:<8}  sender {r['sender_cpu_us_per_group']:7.1f}"
+                f"  receiver {r['receiver_cpu_us_per_group']:7.1f} CPU us/group"
+                f"  {r['groups_per_s']:8.0f} groups/s",
+                flush=True,
+            )
             if rep:
                 runs[layout].append(r)
     layouts = {
@@ -120,11 +129,15 @@ def bench_size(group_bytes: int, reps: int, bytes_per_rep: int) -> dict[str, Any
         return statistics.median(r[key] / b[key] for r, b in zip(runs[layout], base, strict=True))
 
     return {
-        "group_bytes": actual, "groups_per_rep": groups, "layouts": layouts,
+        "group_bytes": actual,
+        "groups_per_rep": groups,
+        "layouts": layouts,
         "sender_cpu_over_frames_4": {k: over_base(k, "sender_cpu_us_per_group") for k in LAYOUTS},
-        "receiver_cpu_over_frames_4": {k: over_base(k, "receiver_cpu_us_per_group") for k in LAYOUTS},
+        "receiver_cpu_over_frames_4": {
+            k: over_base(k, "receiver_cpu_us_per_group") for k in LAYOUTS
+        },
         "groups_per_s_over_frames_4": {k: over_base(k, "groups_per_s") for k in LAYOUTS},
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -136,17 +149,29 @@ def main() -> None:
     args = p.parse_args()
     env = environment(("zmq",))
     results = [bench_size(int(s), args.reps, args.bytes_per_rep) for s in args.sizes.split(",")]
-    write_json(args.out, {"benchmark": "zmq_framing",
-                          "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                          "config": {"reps": args.reps, "bytes_per_rep": args.bytes_per_rep,
-                                     "groups_per_message": GROUPS_PER_MESSAGE,
-                                     "transport": "tcp loopback"},
-                          **env, "results": results})  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "zmq_framing",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "config": {
+                "reps": args.reps,
+                "bytes_per_rep": args.bytes_per_rep,
+                "groups_per_message": GROUPS_PER_MESSAGE,
+                "transport": "tcp loopback",
+            },
+            **env,
+            "results": results,
+        },
+    )
     for r in results:
         s, g = r["sender_cpu_over_frames_4"], r["groups_per_s_over_frames_4"]
-        print(f"{r['group_bytes']:>8} B: sender CPU vs frames_4: "
-              + " ".join(f"{k} {s[k]:.2f}" for k in LAYOUTS[1:])
-              + " | groups/s vs frames_4: " + " ".join(f"{k} {g[k]:.2f}" for k in LAYOUTS[1:]))  # fmt: skip
+        print(
+            f"{r['group_bytes']:>8} B: sender CPU vs frames_4: "
+            + " ".join(f"{k} {s[k]:.2f}" for k in LAYOUTS[1:])
+            + " | groups/s vs frames_4: "
+            + " ".join(f"{k} {g[k]:.2f}" for k in LAYOUTS[1:])
+        )
 
 
 if __name__ == "__main__":

@@ -224,7 +224,10 @@ class Learner:
             if len(self.members) != shown:
                 shown = len(self.members)
                 joined = f" ({', '.join(self.members)})" if self.members else ""
-                print(f"learner: waiting for actors: {shown} of {num_actors} connected{joined}", flush=True)  # fmt: skip
+                print(
+                    f"learner: waiting for actors: {shown} of {num_actors} connected{joined}",
+                    flush=True,
+                )
             if time.monotonic() >= deadline:
                 print(
                     f"learner: only {shown} of run.num_actors={num_actors} actors connected "
@@ -316,9 +319,14 @@ class Learner:
             send_command(Op.CHECKPOINT, json.dumps(state).encode())
         state["world"] = self.ranks.world
         return save_sharded(
-            path, self.model, self.optimizer, state, self.model_dir,
-            rank=self.ranks.rank, keep_last=2,
-        )  # fmt: skip
+            path,
+            self.model,
+            self.optimizer,
+            state,
+            self.model_dir,
+            rank=self.ranks.rank,
+            keep_last=2,
+        )
 
     def resume(self) -> None:
         """Continue from the run directory's latest checkpoint, at any world size (collective)."""

@@ -58,9 +58,15 @@ class LearnerObserver:
         self.learner, self.cfg, self.run_dir = learner, cfg, run_dir
         self.monitor = AlarmMonitor(cfg.alarms) if cfg.alarms.enabled else None
         self.actions = {name: "stop" for name in cfg.alarms.names("stop_on")}
-        self.actions.update({n: "pause" for n in cfg.alarms.names("pause_on") if n not in self.actions})  # fmt: skip
-        meta = {"tokenizer_dir": str(learner.model_dir), "task": cfg.task.name,
-                "max_staleness": cfg.replay.max_staleness, "group_size": cfg.actor.group_size}  # fmt: skip
+        self.actions.update(
+            {n: "pause" for n in cfg.alarms.names("pause_on") if n not in self.actions}
+        )
+        meta = {
+            "tokenizer_dir": str(learner.model_dir),
+            "task": cfg.task.name,
+            "max_staleness": cfg.replay.max_staleness,
+            "group_size": cfg.actor.group_size,
+        }
         self.store = TrajectoryWriter(run_dir, cfg.trajectories, meta)
         self.recent: collections.deque[tuple[list[float], list[int]]] = collections.deque(
             maxlen=OUTLIER_STEPS
@@ -97,8 +103,11 @@ class LearnerObserver:
             self.raise_alarm(alarm)
         self.keep(batch, alarms)
         if self.learner.live is not None:  # the /metrics endpoint: alarms and the latest eval
-            last = {f"eval_{k}".replace("@", "_at_"): v for k, v in self.last_eval.items()
-                    if isinstance(v, int | float)}  # fmt: skip
+            last = {
+                f"eval_{k}".replace("@", "_at_"): v
+                for k, v in self.last_eval.items()
+                if isinstance(v, int | float)
+            }
             self.learner.live.publish(
                 {**row, "step": step, "alarms_total": self.num_alarms, **last}
             )
@@ -113,19 +122,31 @@ class LearnerObserver:
         record = {**alarm.to_json(), "action": action}
         self.num_alarms += 1
         evidence = json.dumps(record["evidence"])
-        print(f"learner: ALARM {alarm.name} at step {alarm.step} (policy version "
-              f"{alarm.policy_version}): {alarm.message}; action: {action}; evidence: {evidence}",
-              flush=True)  # fmt: skip
+        print(
+            f"learner: ALARM {alarm.name} at step {alarm.step} (policy version "
+            f"{alarm.policy_version}): {alarm.message}; action: {action}; evidence: {evidence}",
+            flush=True,
+        )
         with (self.run_dir / ALARMS_FILE).open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         conn = self.learner.conn
         if conn is not None:
-            conn.send(AlarmRaised(name=alarm.name, step=alarm.step,
-                                  policy_version=alarm.policy_version, message=alarm.message,
-                                  action=action, evidence=json_safe(alarm.evidence)))  # fmt: skip
+            conn.send(
+                AlarmRaised(
+                    name=alarm.name,
+                    step=alarm.step,
+                    policy_version=alarm.policy_version,
+                    message=alarm.message,
+                    action=action,
+                    evidence=json_safe(alarm.evidence),
+                )
+            )
         if action == "stop":
-            print(f"learner: stopping the run on alarm {alarm.name} (alarms.stop_on); "
-                  "a checkpoint follows", flush=True)  # fmt: skip
+            print(
+                f"learner: stopping the run on alarm {alarm.name} (alarms.stop_on); "
+                "a checkpoint follows",
+                flush=True,
+            )
             self.learner.stop_event.set()
 
     # --- the trajectory store -----------------------------------------------------------------
@@ -140,8 +161,11 @@ class LearnerObserver:
         flagged = self.outliers(batch)
         if alarms and self.cfg.trajectories.on_alarm:
             reason = "alarm:" + ",".join(a.name for a in alarms)
-            flagged = [Kept(g, i, reason) for g, group in enumerate(batch.groups)
-                       for i in range(group.size)]  # fmt: skip
+            flagged = [
+                Kept(g, i, reason)
+                for g, group in enumerate(batch.groups)
+                for i in range(group.size)
+            ]
         flagged = flagged[: self.store.room(len(flagged))]  # the rest is counted, not kept
         if flagged:
             groups = list(batch.groups)
@@ -158,8 +182,15 @@ class LearnerObserver:
         where = {g: int(s) for g, s in zip(chosen, starts, strict=False)}
         return [rows[where[k.group] + k.index] for k in kept]
 
-    def write(self, kind: str, groups: list[Group], kept: list[Kept], logprobs: list[np.ndarray],
-              trained_at: int, learner_version: int) -> None:  # fmt: skip
+    def write(
+        self,
+        kind: str,
+        groups: list[Group],
+        kept: list[Kept],
+        logprobs: list[np.ndarray],
+        trained_at: int,
+        learner_version: int,
+    ) -> None:
         advantages = {}
         for g in sorted({k.group for k in kept}):
             rewards = torch.tensor(groups[g].rewards, dtype=torch.float32)[None, :]
@@ -184,7 +215,9 @@ class LearnerObserver:
         mean, or whose length is that far above it (judged before this step joins them)."""
         z = self.cfg.trajectories.outlier_z
         rewards = [r for g in batch.groups for r in g.rewards]
-        lengths = [s - p for g in batch.groups for s, p in zip(g.seq_lens, g.prompt_lens, strict=True)]  # fmt: skip
+        lengths = [
+            s - p for g in batch.groups for s, p in zip(g.seq_lens, g.prompt_lens, strict=True)
+        ]
         found: list[Kept] = []
         if z > 0 and len(self.recent) >= 5:
             reward_mean, reward_std = _mean_std([r for rs, _ in self.recent for r in rs])
@@ -214,10 +247,12 @@ class LearnerObserver:
     def on_eval_result(self, msg: EvalResult) -> None:
         """On the connection's thread: log an evaluation the hub forwarded."""
         row = self.last_eval = self.evals.write(summarize(msg))
-        print(f"learner: eval at policy version {row['policy_version']}: reward "
-              f"{row['reward_mean']:.3f}, pass@1 {row['pass@1']:.3f}, length "
-              f"{row['length_mean']:.1f} ({row['num_prompts']} prompts x {row['num_samples']})",
-              flush=True)  # fmt: skip
+        print(
+            f"learner: eval at policy version {row['policy_version']}: reward "
+            f"{row['reward_mean']:.3f}, pass@1 {row['pass@1']:.3f}, length "
+            f"{row['length_mean']:.1f} ({row['num_prompts']} prompts x {row['num_samples']})",
+            flush=True,
+        )
         if self.wandb is not None:
             self.eval_rows.put(row)
 
@@ -233,8 +268,11 @@ class LearnerObserver:
         deadline = time.monotonic() + timeout_s
         while self.last_eval.get("requested_version", -1) < final:  # set on the connection thread
             if time.monotonic() >= deadline or self.learner.stop_event.is_set():
-                print(f"learner: no evaluation of version {final} within {timeout_s:.0f} s; "
-                      "closing without it", flush=True)  # fmt: skip
+                print(
+                    f"learner: no evaluation of version {final} within {timeout_s:.0f} s; "
+                    "closing without it",
+                    flush=True,
+                )
                 return False
             time.sleep(0.1)
         return True
@@ -272,5 +310,10 @@ def start_wandb(cfg: Any, run_dir: Path) -> Any | None:
             f"metrics.wandb_project: set to {cfg.metrics.wandb_project!r} but the wandb package "
             "is not installed (pip install 'asyncrl[wandb]', or leave metrics.wandb_project empty)"
         ) from exc
-    return wandb.init(project=cfg.metrics.wandb_project, mode=cfg.metrics.wandb_mode,
-                      dir=str(run_dir), name=run_dir.name, config=cfg.to_dict())  # fmt: skip
+    return wandb.init(
+        project=cfg.metrics.wandb_project,
+        mode=cfg.metrics.wandb_mode,
+        dir=str(run_dir),
+        name=run_dir.name,
+        config=cfg.to_dict(),
+    )

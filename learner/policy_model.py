@@ -15,8 +15,9 @@ from asyncrl.weights.hf_layout import has_fused_experts
 from learner.parallel import Ranks, shard_model
 
 
-def load_policy(cfg: RunConfig, model_dir: Path,
-                ranks: Ranks) -> tuple[torch.nn.Module, BucketPlan, int]:  # fmt: skip
+def load_policy(
+    cfg: RunConfig, model_dir: Path, ranks: Ranks
+) -> tuple[torch.nn.Module, BucketPlan, int]:
     """(model in train mode on this rank's device, sharded when there are several ranks; the
     weights' bucket plan; the tokenizer's pad id)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(cfg.model.dtype))

@@ -73,9 +73,13 @@ class RewardMonitor:
         out["reward/canary_alarms"] = float(canaries)
         out.update({f"reward/flag/{k}": float(v) for k, v in flags.items()})
         self.check_saturation(step, groups)
-        self.history.append({"reward": float(row.get("reward_mean", 0.0)),
-                             "length": float(row.get("response_len_mean", 0.0)),
-                             "entropy": float(row.get("entropy", math.nan))})  # fmt: skip
+        self.history.append(
+            {
+                "reward": float(row.get("reward_mean", 0.0)),
+                "length": float(row.get("response_len_mean", 0.0)),
+                "entropy": float(row.get("entropy", math.nan)),
+            }
+        )
         self.check_jump(step)
         out["reward/alarms"] = float(len(self.alarms))
         return out
@@ -91,14 +95,21 @@ class RewardMonitor:
         if jump <= self.cfg.alarm_reward_jump:
             return
         keep = 1.0 - self.cfg.alarm_collapse_ratio
-        collapsed = [m for m in ("length", "entropy")
-                     if before[m] > 0 and after[m] < keep * before[m]]  # fmt: skip
+        collapsed = [
+            m for m in ("length", "entropy") if before[m] > 0 and after[m] < keep * before[m]
+        ]
         if collapsed:
-            self.alarm(step, "reward_jump_collapse", {
-                "reward_before": before["reward"], "reward_after": after["reward"],
-                **{f"{m}_before": before[m] for m in collapsed},
-                **{f"{m}_after": after[m] for m in collapsed}, "window_steps": k,
-            })  # fmt: skip
+            self.alarm(
+                step,
+                "reward_jump_collapse",
+                {
+                    "reward_before": before["reward"],
+                    "reward_after": after["reward"],
+                    **{f"{m}_before": before[m] for m in collapsed},
+                    **{f"{m}_after": after[m] for m in collapsed},
+                    "window_steps": k,
+                },
+            )
             self.history.clear()  # one alarm per episode of collapse
 
     def check_saturation(self, step: int, groups: Sequence[Group]) -> None:
@@ -131,8 +142,13 @@ class RewardMonitor:
 
     def alarm(self, step: int, kind: str, evidence: dict[str, Any]) -> None:
         message = f"reward alarm {kind}: " + json.dumps(evidence, default=str)[:300]
-        alarm = Alarm(name=f"reward:{kind}", step=step, policy_version=self.version,
-                      message=message, evidence=evidence)  # fmt: skip
+        alarm = Alarm(
+            name=f"reward:{kind}",
+            step=step,
+            policy_version=self.version,
+            message=message,
+            evidence=evidence,
+        )
         self.alarms.append(alarm)
         self.fresh.append(alarm)
 

@@ -211,8 +211,13 @@ class StepRunner:
     def score(self, rows: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [rows, C] of the completions under the current parameters."""
         learner = self.cfg.learner
-        return token_logprobs(self.model, rows, self.cfg.actor.temperature,
-                              learner.share_prompt, learner.packed_row_tokens)  # fmt: skip
+        return token_logprobs(
+            self.model,
+            rows,
+            self.cfg.actor.temperature,
+            learner.share_prompt,
+            learner.packed_row_tokens,
+        )
 
     def advantages(self, groups: Any, data: TrainBatch) -> torch.Tensor:
         """Group-normalised advantages, one per row, in collate's row order."""

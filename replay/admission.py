@@ -62,15 +62,25 @@ def credits_available(
     return max(0, room)
 
 
-def room(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
-         policy_version: int) -> int:  # fmt: skip
+def room(
+    buffer: ReplayBuffer,
+    in_flight: int,
+    max_staleness: int,
+    groups_per_step: int,
+    policy_version: int,
+) -> int:
     """`credits_available` for the state of `buffer`, with the window at `policy_version`."""
     return credits_available(
-        policy_version=policy_version, max_staleness=max_staleness,
-        groups_per_step=groups_per_step, consumed=buffer.num_consumed,
-        ready=buffer.num_unsampled, in_flight=in_flight, stored=len(buffer),
-        capacity=buffer.capacity, insert_room=buffer.insert_room(),
-    )  # fmt: skip
+        policy_version=policy_version,
+        max_staleness=max_staleness,
+        groups_per_step=groups_per_step,
+        consumed=buffer.num_consumed,
+        ready=buffer.num_unsampled,
+        in_flight=in_flight,
+        stored=len(buffer),
+        capacity=buffer.capacity,
+        insert_room=buffer.insert_room(),
+    )
 
 
 def generation_version(hub_version: int, loaded_version: int) -> int:
@@ -80,8 +90,14 @@ def generation_version(hub_version: int, loaded_version: int) -> int:
     return min(hub_version, max(loaded_version, 0))
 
 
-def grant(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_step: int,
-          free_slots: Mapping[K, int], versions: Mapping[K, int]) -> dict[K, int]:  # fmt: skip
+def grant(
+    buffer: ReplayBuffer,
+    in_flight: int,
+    max_staleness: int,
+    groups_per_step: int,
+    free_slots: Mapping[K, int],
+    versions: Mapping[K, int],
+) -> dict[K, int]:
     """New credits per actor: `allocate` with each actor capped by the window at its version.
 
     `versions[actor]` is `generation_version(...)` of each actor in `free_slots`.
@@ -89,8 +105,10 @@ def grant(buffer: ReplayBuffer, in_flight: int, max_staleness: int, groups_per_s
     free = {actor: n for actor, n in free_slots.items() if n > 0}
     if not free:
         return {}
-    rooms = {u: room(buffer, in_flight, max_staleness, groups_per_step, u)
-             for u in {versions[actor] for actor in free}}  # fmt: skip
+    rooms = {
+        u: room(buffer, in_flight, max_staleness, groups_per_step, u)
+        for u in {versions[actor] for actor in free}
+    }
     caps = {actor: rooms[versions[actor]] for actor in free}
     return allocate(max(caps.values()), free, caps)
 
@@ -168,9 +186,18 @@ class CreditBook:
             self._serial += 1
             credit_id = (self.incarnation << 32) | self._serial
             book[credit_id] = prompt.prompt_id
-            items.append(new_message(CreditItem, {  # fields in order, without __init__'s cost
-                "credit_id": credit_id, "prompt_id": prompt.prompt_id, "prompt": prompt.prompt,
-                "seed": seed, "info": prompt.info}))  # fmt: skip
+            items.append(
+                new_message(
+                    CreditItem,
+                    {  # fields in order, without __init__'s cost
+                        "credit_id": credit_id,
+                        "prompt_id": prompt.prompt_id,
+                        "prompt": prompt.prompt,
+                        "seed": seed,
+                        "info": prompt.info,
+                    },
+                )
+            )
         self.outstanding += n
         self.num_issued += n
         return items
@@ -195,9 +222,14 @@ class CreditBook:
     def export(self) -> dict[str, Any]:
         """Everything a snapshot needs (`restore` takes it back)."""
         held = [[holder, list(book.items())] for holder, book in self._held.items()]
-        return {"incarnation": self.incarnation, "serial": self._serial, "held": held,
-                "issued": self.num_issued, "expired": self.num_expired,
-                "returned": self.num_returned}  # fmt: skip
+        return {
+            "incarnation": self.incarnation,
+            "serial": self._serial,
+            "held": held,
+            "issued": self.num_issued,
+            "expired": self.num_expired,
+            "returned": self.num_returned,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.incarnation, self._serial = state["incarnation"], state["serial"]

@@ -298,8 +298,17 @@ class ReplayBuffer:
 
     # --- snapshot -------------------------------------------------------------------------------
 
-    _COUNTS = ("policy_version", "_limiter_diff", "num_inserted", "num_sampled", "num_consumed",
-               "num_unsampled", "num_dropped_stale", "num_duplicates", "num_evicted")  # fmt: skip
+    _COUNTS = (
+        "policy_version",
+        "_limiter_diff",
+        "num_inserted",
+        "num_sampled",
+        "num_consumed",
+        "num_unsampled",
+        "num_dropped_stale",
+        "num_duplicates",
+        "num_evicted",
+    )
 
     def export(self) -> tuple[dict[str, float], list[tuple[Group, int]]]:
         """(counters, [(group, times_sampled)] in order): everything `restore` needs."""

@@ -38,8 +38,15 @@ class Client:
 
     @classmethod
     def from_hello(cls, identity: bytes, hello: Hello, now: float) -> Client:
-        return cls(identity, hello.client_id, hello.role, hello.concurrency, now,
-                   batched_acks=hello.batched_acks, session=hello.session)  # fmt: skip
+        return cls(
+            identity,
+            hello.client_id,
+            hello.role,
+            hello.concurrency,
+            now,
+            batched_acks=hello.batched_acks,
+            session=hello.session,
+        )
 
     def take_acks(self) -> list[Ack]:
         """The acks owed since the last call, as messages for this client."""
@@ -51,8 +58,13 @@ class Client:
 
     def describe(self, outstanding: int, now: float) -> dict[str, object]:
         """This client's line in the hub's stats."""
-        return {"role": self.role, "alive": True, "loaded_version": self.loaded_version,
-                "outstanding": outstanding, "silent_s": round(now - self.last_seen, 3)}  # fmt: skip
+        return {
+            "role": self.role,
+            "alive": True,
+            "loaded_version": self.loaded_version,
+            "outstanding": outstanding,
+            "silent_s": round(now - self.last_seen, 3),
+        }
 
 
 class Registry:
@@ -74,8 +86,12 @@ class Registry:
 
     def remove(self, client: Client, why: str) -> None:
         self.by_identity.pop(client.identity, None)
-        self.departed[client.client_id] = {"role": client.role, "alive": False, "why": why,
-                                           "loaded_version": client.loaded_version}  # fmt: skip
+        self.departed[client.client_id] = {
+            "role": client.role,
+            "alive": False,
+            "why": why,
+            "loaded_version": client.loaded_version,
+        }
 
     def actors(self) -> list[Client]:
         return [c for c in self.by_identity.values() if c.role == "actor"]

@@ -67,7 +67,7 @@ from replay.snapshot import (
     segment_ids,
     segment_path,
     take_spare,
-)  # fmt: skip
+)
 from replay.state import HubState
 from replay.syncer import Syncer
 from replay.wal_records import (
@@ -102,9 +102,15 @@ class WriteAheadLog:
     `background`, writes, fsyncs and snapshot files are done on a `Syncer` thread (the hub's
     loop); without, in `commit` and `snapshot`."""
 
-    def __init__(self, directory: str | Path, *, fsync: bool, snapshot_log_bytes: int,
-                 background: bool = False,
-                 keep_segments: int = ReplayConfig.snapshot_keep_segments) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        fsync: bool,
+        snapshot_log_bytes: int,
+        background: bool = False,
+        keep_segments: int = ReplayConfig.snapshot_keep_segments,
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = (self.dir / "LOCK").open("a")
@@ -133,8 +139,13 @@ class WriteAheadLog:
 
     # --- writing --------------------------------------------------------------------------------
 
-    def journal(self, op: str, args: dict[str, Any], frames: Sequence[Any],
-                key: tuple[str, int] | None = None) -> int:  # fmt: skip
+    def journal(
+        self,
+        op: str,
+        args: dict[str, Any],
+        frames: Sequence[Any],
+        key: tuple[str, int] | None = None,
+    ) -> int:
         """Append one record (written at the next `commit`); returns its log position. `key`:
         the (actor_id, seq) of the group a `store` record holds (a snapshot may reference it)."""
         at = self.log_bytes if self.syncer is not None else None  # placed for O_DIRECT
@@ -202,8 +213,9 @@ class WriteAheadLog:
         if self.syncer is not None:
             self.syncer.wait(self.snapshot_job)
         self.commit()
-        job = prepare(self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync,
-                      self.keep_segments)  # fmt: skip
+        job = prepare(
+            self.dir, state, self.log_id, self.stored_at, self.fd, self.fsync, self.keep_segments
+        )
         self.stored_at = dict(job.kept)  # still referenceable by the next snapshot
         self.fd = -1  # the job closes it, once its records are on disk
         self.open_segment(self.log_id + 1)
@@ -229,8 +241,7 @@ class WriteAheadLog:
             fsync_dir(self.dir)
             return
         recycled = take_spare(path)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if recycled < 0 else 0),
-                          0o644)  # fmt: skip
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if recycled < 0 else 0), 0o644)
         self.log_bytes, self.recycled = 0, recycled >= 0
         if self.recycled:
             self.journal("segment", {"recycled_from": recycled}, ())
@@ -255,14 +266,19 @@ class WriteAheadLog:
         snapshot = self.dir / "snapshot.bin"
         if snapshot.exists():
             loaded = load_snapshot(snapshot, state)
-            log_id, keep_from, found.snapshot_groups = (loaded.log_id, loaded.keep_from,
-                                                        loaded.num_groups)  # fmt: skip
+            log_id, keep_from, found.snapshot_groups = (
+                loaded.log_id,
+                loaded.keep_from,
+                loaded.num_groups,
+            )
             self.stored_at = dict(loaded.refs)  # the next snapshot references them again
         (self.dir / "snapshot.tmp").unlink(missing_ok=True)
         for stale in segment_ids(self.dir):
             if stale > log_id or stale < keep_from:  # a snapshot that never got in / garbage
-                log.info("replay state: deleting %s (not part of the snapshot's log)",
-                         segment_path(self.dir, stale))  # fmt: skip
+                log.info(
+                    "replay state: deleting %s (not part of the snapshot's log)",
+                    segment_path(self.dir, stale),
+                )
                 segment_path(self.dir, stale).unlink()
         path = segment_path(self.dir, log_id)
         self.log_id = log_id  # the seed of its records
@@ -290,14 +306,25 @@ class WriteAheadLog:
                     return end
                 found.reason = str(exc)
                 found.skipped_bytes = path.stat().st_size - exc.offset
-                log.warning("replay state: log %s ends in a bad record (%s); %d bytes "
-                            "after the last sound record are skipped", path, exc,
-                            found.skipped_bytes)  # fmt: skip
+                log.warning(
+                    "replay state: log %s ends in a bad record (%s); %d bytes "
+                    "after the last sound record are skipped",
+                    path,
+                    exc,
+                    found.skipped_bytes,
+                )
         os.truncate(path, end)
         return end
 
-    def _apply(self, state: HubState, op: str, args: dict[str, Any], frames: list[bytes],
-               start: int, end: int) -> None:  # fmt: skip
+    def _apply(
+        self,
+        state: HubState,
+        op: str,
+        args: dict[str, Any],
+        frames: list[bytes],
+        start: int,
+        end: int,
+    ) -> None:
         state.apply(op, args, frames)
         if op == "store":  # the next snapshot may reference it
             group = decode(frames, 1 << 62, check_values=False)
@@ -310,16 +337,26 @@ def open_log(state: HubState, rc: ReplayConfig) -> tuple[WriteAheadLog, Recovery
     every change to it from this process's first op (`begin`) on."""
     if not rc.state_dir:
         raise ValueError("replay.state_dir: durable mode needs a directory")
-    wal = WriteAheadLog(rc.state_dir, fsync=rc.fsync == "commit",
-                        snapshot_log_bytes=rc.snapshot_log_bytes, background=True,
-                        keep_segments=rc.snapshot_keep_segments)  # fmt: skip
+    wal = WriteAheadLog(
+        rc.state_dir,
+        fsync=rc.fsync == "commit",
+        snapshot_log_bytes=rc.snapshot_log_bytes,
+        background=True,
+        keep_segments=rc.snapshot_keep_segments,
+    )
     incarnation = state.credits.incarnation  # this process's, not the recovered one
     found = wal.recover(state)
     if found.ops or found.snapshot_groups:
-        log.info("recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
-                 "after the snapshot%s", rc.state_dir, len(state.buffer),
-                 sum(map(len, state.lent.values())), state.policy_version, found.ops,
-                 f"; skipped a bad tail ({found.reason})" if found.reason else "")  # fmt: skip
+        log.info(
+            "recovered from %s: %d stored, %d lent groups, policy version %d, %d ops "
+            "after the snapshot%s",
+            rc.state_dir,
+            len(state.buffer),
+            sum(map(len, state.lent.values())),
+            state.policy_version,
+            found.ops,
+            f"; skipped a bad tail ({found.reason})" if found.reason else "",
+        )
     state.journal = wal.journal
     state.begin(incarnation)
     wal.commit()

@@ -50,9 +50,16 @@ def held_out_split(rows: Sequence[Prompt], cfg: EvalConfig) -> tuple[list[Prompt
 def eval_items(held: Iterable[Prompt], seed: int) -> tuple[CreditItem, ...]:
     """The held-out rows as the items of an EvalRequest (fixed seeds: the same samples for the
     same weights)."""
-    return tuple(CreditItem(credit_id=-1, prompt_id=p.prompt_id, prompt=p.prompt,
-                            seed=credit_seed(seed, p.prompt_id, 0), info=p.info)
-                 for p in held)  # fmt: skip
+    return tuple(
+        CreditItem(
+            credit_id=-1,
+            prompt_id=p.prompt_id,
+            prompt=p.prompt,
+            seed=credit_seed(seed, p.prompt_id, 0),
+            info=p.info,
+        )
+        for p in held
+    )
 
 
 @dataclass
@@ -92,11 +99,15 @@ class EvalSchedule:
             target = policy_version - policy_version % self.every
             self.next_version = target + self.every
             self.num_requested += 1
-            self.waiting = EvalRequest(eval_id=next(self.ids), policy_version=target,
-                                       items=self.items, num_samples=self.cfg.num_samples,
-                                       temperature=self.cfg.temperature,
-                                       max_new_tokens=self.max_new_tokens,
-                                       pass_threshold=self.cfg.pass_threshold)  # fmt: skip
+            self.waiting = EvalRequest(
+                eval_id=next(self.ids),
+                policy_version=target,
+                items=self.items,
+                num_samples=self.cfg.num_samples,
+                temperature=self.cfg.temperature,
+                max_new_tokens=self.max_new_tokens,
+                pass_threshold=self.cfg.pass_threshold,
+            )
         return self.waiting
 
     def sent(self, request: EvalRequest, actor: bytes, now: float) -> None:

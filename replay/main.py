@@ -19,10 +19,22 @@ from asyncrl.metrics import start as start_metrics
 from asyncrl.transport import keep_freed_buffers
 from replay.server import Hub
 
-HUB_COUNTERS = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-                "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
-                "weights_announced", "sends_dropped",
-                "credits_issued", "credits_expired", "credits_returned", "prompts_reissued")  # fmt: skip
+HUB_COUNTERS = (
+    "groups_received",
+    "groups_stored",
+    "groups_consumed",
+    "groups_dropped_stale",
+    "groups_duplicate",
+    "groups_adopted",
+    "groups_trained",
+    "groups_returned",
+    "weights_announced",
+    "sends_dropped",
+    "credits_issued",
+    "credits_expired",
+    "credits_returned",
+    "prompts_reissued",
+)
 """Hub statistics that only grow (exported as Prometheus counters)."""
 
 
@@ -30,16 +42,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The command line of `asyncrl replay`."""
     p = argparse.ArgumentParser(prog="asyncrl replay", description="Run the replay hub.")
     p.add_argument("--config", default=None, help="run config TOML (defaults when absent)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override")  # fmt: skip
-    p.add_argument("--bind", default=None,
-                   help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0")  # fmt: skip
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--bind", default=None, help="endpoint (overrides replay.bind), e.g. tcp://127.0.0.1:0"
+    )
     p.add_argument("--dataset", default=None, help="JSONL prompts (overrides task.dataset)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint here")
-    p.add_argument("--auth", default=None, metavar="DIR",
-                   help="CURVE key dir (overrides replay.auth_dir)")  # fmt: skip
-    p.add_argument("--allow-insecure", action="store_true",
-                   help="allow a non-loopback bind without auth")  # fmt: skip
+    p.add_argument(
+        "--auth", default=None, metavar="DIR", help="CURVE key dir (overrides replay.auth_dir)"
+    )
+    p.add_argument(
+        "--allow-insecure", action="store_true", help="allow a non-loopback bind without auth"
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(list(argv))
 
@@ -47,7 +63,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     """`asyncrl replay --config C [--set k=v] [--bind EP] [--dataset F] [--endpoint-file F]`."""
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     overrides = list(args.set) + ([f"replay.auth_dir={json.dumps(args.auth)}"] if args.auth else [])
     cfg = load_config(args.config, overrides)
     dataset = args.dataset or cfg.task.dataset

@@ -41,12 +41,19 @@ class Membership:
         elif msg.role == "learner":
             returned = hub.state.learner_hello(msg.session, msg.acks_batches)
             if returned:
-                log.info("learner session %d: %d lent groups back in replay", msg.session, returned)  # fmt: skip
+                log.info("learner session %d: %d lent groups back in replay", msg.session, returned)
         log.info("%s %s joined (concurrency %d)", msg.role, msg.client_id, msg.concurrency)
         rc = hub.cfg.replay
-        hub.send(identity, Welcome(client_id=msg.client_id, policy_version=hub.policy_version,
-                                   heartbeat_interval_s=rc.heartbeat_interval_s,
-                                   max_staleness=rc.max_staleness, next_seq=next_seq))  # fmt: skip
+        hub.send(
+            identity,
+            Welcome(
+                client_id=msg.client_id,
+                policy_version=hub.policy_version,
+                heartbeat_interval_s=rc.heartbeat_interval_s,
+                max_staleness=rc.max_staleness,
+                next_seq=next_seq,
+            ),
+        )
 
     def on_bye(self, client: Client, msg: Bye, frames: list[Any]) -> None:
         self.drop(client, msg.reason or "bye")
@@ -58,7 +65,9 @@ class Membership:
         hub.clients.remove(client, why)
         hub.parked = collections.deque(p for p in hub.parked if p.identity != client.identity)
         hub.outbox.forget(client.identity)
-        log.info("%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired)  # fmt: skip
+        log.info(
+            "%s %s left (%s); %d credits re-issued", client.role, client.client_id, why, expired
+        )
 
     def expire_dead(self, now: float) -> None:
         """Drop the clients silent for too long, and expire the credits of holders that did not
@@ -72,4 +81,6 @@ class Membership:
             for holder in hub.state.credits.holders():
                 if hub.clients.get(holder) is None:
                     expired = hub.state.expire(holder)
-                    log.info("%r did not come back after recovery; %d credits re-issued", holder, expired)  # fmt: skip
+                    log.info(
+                        "%r did not come back after recovery; %d credits re-issued", holder, expired
+                    )

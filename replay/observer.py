@@ -76,9 +76,16 @@ class HubObserver:
         if msg.action not in ("warn", "pause", "stop"):
             raise ProtocolError("action", f"must be warn, pause or stop, got {msg.action!r}")
         self.num_alarms += 1
-        self.alarms.append({"name": msg.name, "step": msg.step,
-                            "policy_version": msg.policy_version, "message": msg.message,
-                            "action": msg.action, "time": time.time()})  # fmt: skip
+        self.alarms.append(
+            {
+                "name": msg.name,
+                "step": msg.step,
+                "policy_version": msg.policy_version,
+                "message": msg.message,
+                "action": msg.action,
+                "time": time.time(),
+            }
+        )
         if msg.action == "pause":
             self.pause(f"alarm {msg.name} at step {msg.step}")
 
@@ -114,8 +121,9 @@ class HubObserver:
         if not self.samples or now - self.samples[-1][0] >= 1.0:
             self.publish_metrics()
             c = self.hub.counters
-            self.samples.append((now, c["groups_received"], c["groups_consumed"],
-                                 self.hub.policy_version))  # fmt: skip
+            self.samples.append(
+                (now, c["groups_received"], c["groups_consumed"], self.hub.policy_version)
+            )
             while now - self.samples[0][0] > RATE_WINDOW_S:
                 self.samples.popleft()
         self.schedule_eval(now)
@@ -146,21 +154,34 @@ class HubObserver:
 
     def rates(self) -> dict[str, float]:
         if len(self.samples) < 2:
-            return {"window_s": 0.0, "groups_received_per_s": 0.0,
-                    "groups_consumed_per_s": 0.0, "samples_per_s": 0.0, "versions_per_s": 0.0}  # fmt: skip
+            return {
+                "window_s": 0.0,
+                "groups_received_per_s": 0.0,
+                "groups_consumed_per_s": 0.0,
+                "samples_per_s": 0.0,
+                "versions_per_s": 0.0,
+            }
         (t0, r0, c0, v0), (t1, r1, c1, v1) = self.samples[0], self.samples[-1]
         dt = max(t1 - t0, 1e-9)
         group_size = self.hub.cfg.actor.group_size
-        return {"window_s": round(dt, 3), "groups_received_per_s": (r1 - r0) / dt,
-                "groups_consumed_per_s": (c1 - c0) / dt,
-                "samples_per_s": (c1 - c0) * group_size / dt, "versions_per_s": (v1 - v0) / dt}  # fmt: skip
+        return {
+            "window_s": round(dt, 3),
+            "groups_received_per_s": (r1 - r0) / dt,
+            "groups_consumed_per_s": (c1 - c0) / dt,
+            "samples_per_s": (c1 - c0) * group_size / dt,
+            "versions_per_s": (v1 - v0) / dt,
+        }
 
     def staleness(self) -> dict[str, Any]:
         hist = self.hub.staleness_hist
         total = sum(hist.values())
         mean = sum(k * v for k, v in hist.items()) / total if total else 0.0
-        return {"bound": self.hub.cfg.replay.max_staleness, "mean": mean,
-                "max": max(hist) if hist else 0, "hist": {str(k): v for k, v in sorted(hist.items())}}  # fmt: skip
+        return {
+            "bound": self.hub.cfg.replay.max_staleness,
+            "mean": mean,
+            "max": max(hist) if hist else 0,
+            "hist": {str(k): v for k, v in sorted(hist.items())},
+        }
 
     def summary(self) -> dict[str, Any]:
         """The live summary `Status` carries."""
@@ -172,17 +193,32 @@ class HubObserver:
         ev = self.evals
         in_flight = ev.in_flight.request.policy_version if ev.in_flight else None
         return {
-            "time": time.time(), "uptime_s": time.monotonic() - self.started,
-            "endpoint": hub.endpoint, "policy_version": hub.policy_version, "paused": self.paused,
-            "clients": clients, "throughput": self.rates(), "staleness": self.staleness(),
-            "buffer": {"stored": len(hub.buffer), "capacity": hub.buffer.capacity,
-                       "parked_requests": len(hub.parked)},
-            "errors": stats.pop("errors"), "counters": stats,
-            "alarms": list(self.alarms), "num_alarms": self.num_alarms,
-            "eval": {"every_versions": ev.every, "requested": ev.num_requested,
-                     "results": ev.num_results, "resent": ev.num_resent,
-                     "in_flight_version": in_flight, "last": ev.last},
-        }  # fmt: skip
+            "time": time.time(),
+            "uptime_s": time.monotonic() - self.started,
+            "endpoint": hub.endpoint,
+            "policy_version": hub.policy_version,
+            "paused": self.paused,
+            "clients": clients,
+            "throughput": self.rates(),
+            "staleness": self.staleness(),
+            "buffer": {
+                "stored": len(hub.buffer),
+                "capacity": hub.buffer.capacity,
+                "parked_requests": len(hub.parked),
+            },
+            "errors": stats.pop("errors"),
+            "counters": stats,
+            "alarms": list(self.alarms),
+            "num_alarms": self.num_alarms,
+            "eval": {
+                "every_versions": ev.every,
+                "requested": ev.num_requested,
+                "results": ev.num_results,
+                "resent": ev.num_resent,
+                "in_flight_version": in_flight,
+                "last": ev.last,
+            },
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
@@ -192,24 +228,38 @@ class HubObserver:
         book, prompts = state.credits, state.prompts
         lent = sum(map(len, state.lent.values()))
         return {
-            **{k: state.counters[k] for k in COUNTED}, "sends_dropped": hub.outbox.dropped,
-            "credits_issued": book.num_issued, "credits_outstanding": book.outstanding,
-            "credits_expired": book.num_expired, "credits_returned": book.num_returned,
-            "policy_version": hub.policy_version, "stored": len(hub.buffer),
-            "parked_requests": len(hub.parked), "errors": dict(hub.errors), "clients": clients,
-            "dataset_epoch": prompts.epoch, "prompts_reissued": prompts.num_reissued,
-            "groups_lent": lent, "durability": self.durability(),
+            **{k: state.counters[k] for k in COUNTED},
+            "sends_dropped": hub.outbox.dropped,
+            "credits_issued": book.num_issued,
+            "credits_outstanding": book.outstanding,
+            "credits_expired": book.num_expired,
+            "credits_returned": book.num_returned,
+            "policy_version": hub.policy_version,
+            "stored": len(hub.buffer),
+            "parked_requests": len(hub.parked),
+            "errors": dict(hub.errors),
+            "clients": clients,
+            "dataset_epoch": prompts.epoch,
+            "prompts_reissued": prompts.num_reissued,
+            "groups_lent": lent,
+            "durability": self.durability(),
             "staleness_hist": {str(k): v for k, v in sorted(state.staleness_hist.items())},
-        }  # fmt: skip
+        }
 
     def durability(self) -> dict[str, Any]:
         wal, found = self.hub.wal, self.hub.recovery
         if wal is None:
             return {"mode": "volatile"}
-        return {"mode": "durable", "commits": wal.num_commits, "snapshots": wal.num_snapshots,
-                "log_bytes": wal.log_bytes, "recovered_ops": found.ops,
-                "recovered_snapshot_groups": found.snapshot_groups,
-                "recovery_skipped_bytes": found.skipped_bytes, **_writes(wal)}  # fmt: skip
+        return {
+            "mode": "durable",
+            "commits": wal.num_commits,
+            "snapshots": wal.num_snapshots,
+            "log_bytes": wal.log_bytes,
+            "recovered_ops": found.ops,
+            "recovered_snapshot_groups": found.snapshot_groups,
+            "recovery_skipped_bytes": found.skipped_bytes,
+            **_writes(wal),
+        }
 
 
 def _writes(wal: Any) -> dict[str, int]:
@@ -221,7 +271,15 @@ def _writes(wal: Any) -> dict[str, int]:
     return {"log_bytes_placed": writer.placed_bytes, "log_bytes_copied": writer.copied_bytes}
 
 
-COUNTED = ("groups_received", "groups_stored", "groups_consumed", "groups_dropped_stale",
-           "groups_duplicate", "groups_adopted", "groups_trained", "groups_returned",
-           "weights_announced")  # fmt: skip
+COUNTED = (
+    "groups_received",
+    "groups_stored",
+    "groups_consumed",
+    "groups_dropped_stale",
+    "groups_duplicate",
+    "groups_adopted",
+    "groups_trained",
+    "groups_returned",
+    "weights_announced",
+)
 """The hub's counters that `stats()` reports (besides gauges)."""

@@ -106,8 +106,13 @@ class PromptSource:
 
     def export(self) -> dict[str, Any]:
         """The cursor, the re-issue queue and the attempt counts (`restore` takes it back)."""
-        return {"cursor": self._cursor, "epoch": self.epoch, "reissue": list(self._reissue),
-                "attempts": list(self._attempts.items()), "reissued": self.num_reissued}  # fmt: skip
+        return {
+            "cursor": self._cursor,
+            "epoch": self.epoch,
+            "reissue": list(self._reissue),
+            "attempts": list(self._attempts.items()),
+            "reissued": self.num_reissued,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         if not 0 <= state["cursor"] < len(self.prompts):

@@ -70,7 +70,7 @@ from asyncrl.protocol import (
     WeightsAnnounce,
     WeightsLoaded,
     decode,
-    encode,  # fmt: skip
+    encode,
 )
 from asyncrl.transport import NOBLOCK, bind_router, recv_routed
 from replay import observer
@@ -92,8 +92,14 @@ ROLE_OF.update(observer.ROLE_OF)
 class Hub:
     """Replay hub: binds on construction; `serve_forever()` runs the loop until `stop()`."""
 
-    def __init__(self, cfg: RunConfig, dataset_path: str | Path, bind: str | None = None, *,
-                 allow_insecure: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dataset_path: str | Path,
+        bind: str | None = None,
+        *,
+        allow_insecure: bool = False,
+    ) -> None:
         self.cfg, rc = cfg, cfg.replay
         self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
         self.members = Membership(self)  # Hello, Bye, silent clients, orphaned credits
@@ -101,8 +107,12 @@ class Hub:
         self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context(rc.io_threads)
-        self.authenticator = auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None  # fmt: skip
-        self.sock, self.endpoint = bind_router(self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure)  # fmt: skip
+        self.authenticator = (
+            auth.start_authenticator(self.ctx, rc.auth_dir) if rc.auth_dir else None
+        )
+        self.sock, self.endpoint = bind_router(
+            self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure
+        )
         self.clients = Registry()
         self.parked: collections.deque[Parked] = collections.deque()
         self.max_message_bytes = rc.max_message_bytes
@@ -120,11 +130,16 @@ class Hub:
                 self.members.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
         self.running = True
         self.handlers = {
-            Group: self.on_group, SampleRequest: self.on_sample_request, Version: self.on_version,
-            WeightsAnnounce: self.on_weights_announce, WeightsLoaded: self.on_weights_loaded,
-            Heartbeat: self.on_heartbeat, CreditReturn: self.on_credit_return,
-            StatsRequest: self.on_stats_request, BatchAck: self.on_batch_ack,
-        }  # fmt: skip
+            Group: self.on_group,
+            SampleRequest: self.on_sample_request,
+            Version: self.on_version,
+            WeightsAnnounce: self.on_weights_announce,
+            WeightsLoaded: self.on_weights_loaded,
+            Heartbeat: self.on_heartbeat,
+            CreditReturn: self.on_credit_return,
+            StatsRequest: self.on_stats_request,
+            BatchAck: self.on_batch_ack,
+        }
         self.handlers.update(self.obs.handlers)  # AlarmRaised, EvalResult
         self.handlers.update(self.members.handlers)  # Bye
 
@@ -259,7 +274,9 @@ class Hub:
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
         if not 1 <= msg.num_groups <= self.buffer.capacity:
-            raise ProtocolError("num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}")  # fmt: skip
+            raise ProtocolError(
+                "num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}"
+            )
         self.state.adopt_version(msg.policy_version, rewind=True)
         self.parked.append(Parked(client.identity, msg, time.monotonic()))
 
@@ -267,8 +284,14 @@ class Hub:
         self.state.adopt_version(msg.policy_version, rewind=True)
         newest = self.clients.newest_actors()  # an actor restarted under its id: its new session
         ids = sorted(newest)
-        self.send(client.identity, Members(policy_version=self.policy_version, actor_ids=ids,
-                                           sessions=[newest[i].session for i in ids]))  # fmt: skip
+        self.send(
+            client.identity,
+            Members(
+                policy_version=self.policy_version,
+                actor_ids=ids,
+                sessions=[newest[i].session for i in ids],
+            ),
+        )
 
     def on_weights_announce(self, client: Client, msg: WeightsAnnounce, frames: list[Any]) -> None:
         self.counters["weights_announced"] += 1
@@ -313,14 +336,21 @@ class Hub:
                 free[c.identity] = n
         if not actors:
             return
-        versions = {c.identity: generation_version(self.policy_version, c.loaded_version)
-                    for c in actors}  # fmt: skip
+        versions = {
+            c.identity: generation_version(self.policy_version, c.loaded_version) for c in actors
+        }
         rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
         plan = grant(self.buffer, credits.outstanding, rc.max_staleness, steps, free, versions)
         for identity, n in plan.items():
             items = tuple(self.state.issue(identity, n))
-            self.send(identity, Credits(group_size=self.cfg.actor.group_size,
-                                        policy_version=self.policy_version, items=items))  # fmt: skip
+            self.send(
+                identity,
+                Credits(
+                    group_size=self.cfg.actor.group_size,
+                    policy_version=self.policy_version,
+                    items=items,
+                ),
+            )
 
     def serve_parked(self) -> None:
         """Answer parked sample requests in arrival order while enough eligible groups exist."""
@@ -332,9 +362,13 @@ class Hub:
             if not groups:
                 return
             self.parked.popleft()
-            batch = Batch(request_id=request.request_id, policy_version=self.policy_version,
-                          groups=tuple(groups), dropped_stale=dropped_stale,
-                          wait_s=time.monotonic() - parked.since)  # fmt: skip
+            batch = Batch(
+                request_id=request.request_id,
+                policy_version=self.policy_version,
+                groups=tuple(groups),
+                dropped_stale=dropped_stale,
+                wait_s=time.monotonic() - parked.since,
+            )
             self.send_committed(parked.identity, batch)
 
     # --- sending --------------------------------------------------------------------------------

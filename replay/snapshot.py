@@ -102,13 +102,22 @@ class SnapshotJob:
             fsync_dir(self.directory)
         if self.old_fd >= 0:
             os.close(self.old_fd)
-        return [segment_path(self.directory, i) for i in segment_ids(self.directory)
-                if i < self.keep_from]  # fmt: skip
+        return [
+            segment_path(self.directory, i)
+            for i in segment_ids(self.directory)
+            if i < self.keep_from
+        ]
 
 
-def prepare(directory: Path, state: HubState, log_id: int,
-            stored_at: dict[Any, tuple[int, int, int]], old_fd: int, fsync: bool,
-            keep_segments: int = 1) -> SnapshotJob:  # fmt: skip
+def prepare(
+    directory: Path,
+    state: HubState,
+    log_id: int,
+    stored_at: dict[Any, tuple[int, int, int]],
+    old_fd: int,
+    fsync: bool,
+    keep_segments: int = 1,
+) -> SnapshotJob:
     """The snapshot of `state` as segment `log_id` closes: a reference for each group whose
     store record `stored_at` locates in one of the `keep_segments` newest closed segments
     (`log_id` and before), the others inline."""
@@ -128,8 +137,9 @@ def prepare(directory: Path, state: HubState, log_id: int,
             inline.append(g)
     head = {"log_id": log_id + 1, "groups": len(groups), "refs": refs, "meta": meta}
     keep_from = min((at[0] for at in kept.values()), default=log_id + 1)
-    return SnapshotJob(directory, pack_record("snapshot", head, ()), inline, kept, old_fd,
-                       keep_from, fsync)  # fmt: skip
+    return SnapshotJob(
+        directory, pack_record("snapshot", head, ()), inline, kept, old_fd, keep_from, fsync
+    )
 
 
 @dataclass
@@ -153,16 +163,18 @@ def load_snapshot(path: Path, state: HubState) -> Loaded:
             refs = [_where(r, head) for r in head.get("refs") or [None] * head["groups"]]
             segments: dict[int, BinaryIO] = {}
             try:
-                frames = [next(records)[3] if r is None else
-                          _referenced(path, segments, *r) for r in refs]  # fmt: skip
+                frames = [
+                    next(records)[3] if r is None else _referenced(path, segments, *r) for r in refs
+                ]
             finally:
                 for seg in segments.values():
                     seg.close()
         except (TornRecord, StopIteration) as exc:
             raise ValueError(f"replay state: snapshot {path} is damaged ({exc!r})") from exc
         except FileNotFoundError as exc:
-            raise ValueError(f"replay state: snapshot {path} references {exc.filename}, which "
-                             "is missing") from exc  # fmt: skip
+            raise ValueError(
+                f"replay state: snapshot {path} references {exc.filename}, which is missing"
+            ) from exc
     groups = [_group(fs) for fs in frames]
     state.restore(head["meta"], groups)
     where = {(g.actor_id, g.seq): r for g, r in zip(groups, refs, strict=True) if r is not None}
@@ -178,8 +190,9 @@ def _where(ref: list[int] | None, head: dict[str, Any]) -> tuple[int, int, int] 
     return (head["ref_log"], *ref) if len(ref) == 2 else tuple(ref)  # type: ignore[return-value]
 
 
-def _referenced(path: Path, segments: dict[int, BinaryIO], log_id: int, offset: int,
-                size: int) -> list[bytes]:  # fmt: skip
+def _referenced(
+    path: Path, segments: dict[int, BinaryIO], log_id: int, offset: int, size: int
+) -> list[bytes]:
     """The frames of the store record at `offset` of wal-`log_id`.log; a ValueError naming both
     files and the offset when it is not there whole."""
     segment = segment_path(path.parent, log_id)
@@ -196,8 +209,10 @@ def _referenced(path: Path, segments: dict[int, BinaryIO], log_id: int, offset: 
     elif record is not None and record[1] != "store":
         why = f"a {record[1]!r} record, not a store"
     if why:
-        raise ValueError(f"replay state: snapshot {path} references a damaged record at byte "
-                         f"{offset} of {segment} ({why})")  # fmt: skip
+        raise ValueError(
+            f"replay state: snapshot {path} references a damaged record at byte "
+            f"{offset} of {segment} ({why})"
+        )
     assert record is not None
     return record[3]
 

@@ -79,11 +79,14 @@ class HubState:
         rc = cfg.replay
         self.groups_per_step = cfg.learner.groups_per_step
         self.buffer = ReplayBuffer(
-            capacity=rc.capacity_groups, max_staleness=rc.max_staleness,
-            batch_groups=cfg.learner.groups_per_step, sampling=rc.sampling,
-            max_times_sampled=rc.max_times_sampled, samples_per_insert=rc.samples_per_insert,
+            capacity=rc.capacity_groups,
+            max_staleness=rc.max_staleness,
+            batch_groups=cfg.learner.groups_per_step,
+            sampling=rc.sampling,
+            max_times_sampled=rc.max_times_sampled,
+            samples_per_insert=rc.samples_per_insert,
             tolerance=rc.samples_per_insert_tolerance,
-        )  # fmt: skip
+        )
         self.prompts = prompts
         self.credits = CreditBook(prompts, incarnation)
         self.windows: dict[str, SeqWindow] = {}
@@ -101,8 +104,13 @@ class HubState:
     def policy_version(self) -> int:
         return self.buffer.policy_version
 
-    def _record(self, op: str, args: dict[str, Any], frames: Sequence[Any] = (),
-                key: tuple[str, int] | None = None) -> None:  # fmt: skip
+    def _record(
+        self,
+        op: str,
+        args: dict[str, Any],
+        frames: Sequence[Any] = (),
+        key: tuple[str, int] | None = None,
+    ) -> None:
         if self.journal is not None:
             self.last_lsn = self.journal(op, args, frames, key)
 
@@ -143,8 +151,9 @@ class HubState:
         refused (credit not held, replay full), changing nothing then."""
         held = self.credits.holds(holder, group.credit_id)
         if not held and self.credits.is_current(group.credit_id):
-            raise ProtocolError("credit_id", f"credit {group.credit_id} is not held by this actor",
-                                "unknown_credit")  # fmt: skip
+            raise ProtocolError(
+                "credit_id", f"credit {group.credit_id} is not held by this actor", "unknown_credit"
+            )
         if not self.buffer.has_room(group):
             raise ProtocolError(
                 "group", f"replay is full ({self.buffer.capacity} groups)", "capacity"
@@ -259,20 +268,25 @@ class HubState:
         lent = [g for gs in self.lent.values() for g in gs]
         windows = [[a, w.floor, sorted(w.above), w.top, w.session] for a, w in self.windows.items()]
         meta = {
-            "buffer": counts, "times_sampled": [t for _, t in entries],
+            "buffer": counts,
+            "times_sampled": [t for _, t in entries],
             "lent": [[rid, len(gs)] for rid, gs in self.lent.items()],
-            "credits": self.credits.export(), "prompts": self.prompts.export(),
-            "windows": windows, "learner": [self.learner_session, self.learner_acks],
-            "counters": dict(self.counters), "staleness": list(self.staleness_hist.items()),
+            "credits": self.credits.export(),
+            "prompts": self.prompts.export(),
+            "windows": windows,
+            "learner": [self.learner_session, self.learner_acks],
+            "counters": dict(self.counters),
+            "staleness": list(self.staleness_hist.items()),
             "dropped_since_batch": self.dropped_since_batch,
-        }  # fmt: skip
+        }
         return meta, [g for g, _ in entries] + lent
 
     def restore(self, meta: dict[str, Any], groups: list[Group]) -> None:
         """The state `export` returned, into a fresh HubState."""
         stored = len(meta["times_sampled"])
-        self.buffer.restore(meta["buffer"], list(zip(groups[:stored], meta["times_sampled"],
-                                                     strict=True)))  # fmt: skip
+        self.buffer.restore(
+            meta["buffer"], list(zip(groups[:stored], meta["times_sampled"], strict=True))
+        )
         rest = iter(groups[stored:])
         self.lent = {rid: [next(rest) for _ in range(n)] for rid, n in meta["lent"]}
         self.credits.restore(meta["credits"])

@@ -59,8 +59,9 @@ class TornRecord(Exception):
         self.offset, self.why = offset, why
 
 
-def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0,
-                at: int | None = None) -> list[Any]:  # fmt: skip
+def pack_record(
+    op: str, args: dict[str, Any], frames: Sequence[Any], seed: int = 0, at: int | None = None
+) -> list[Any]:
     """The buffers of one record (the header first, joined with what follows it when that is
     small), ready for writev; frames of `PLACED_BYTES` or more are not copied. With `at` (the
     file offset the record will have), those frames are placed for O_DIRECT (gaps before them)
@@ -82,8 +83,9 @@ def pack_record(op: str, args: dict[str, Any], frames: Sequence[Any], seed: int 
     return [head, *body]
 
 
-def _placed(op: str, args: dict[str, Any], views: list[memoryview], lengths: list[int],
-            at: int) -> tuple[list[Any], int]:  # fmt: skip
+def _placed(
+    op: str, args: dict[str, Any], views: list[memoryview], lengths: list[int], at: int
+) -> tuple[list[Any], int]:
     """A record's body as buffers, each large frame after the gap that puts its file offset
     and its memory address at the same place in a `BLOCK` (the gaps are fixed-width in the
     meta, so its length, and where the frames start, do not depend on them), the small pieces

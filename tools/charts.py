@@ -55,8 +55,13 @@ def _label(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.2e}"
 
 
-def line_chart(chart_id: str, title: str, series: Sequence[Series], x_label: str = "step",
-               marks: Sequence[float] = ()) -> str:  # fmt: skip
+def line_chart(
+    chart_id: str,
+    title: str,
+    series: Sequence[Series],
+    x_label: str = "step",
+    marks: Sequence[float] = (),
+) -> str:
     """One chart as an `<svg>` element (its `data-points` attribute counts the drawn points)."""
     xs = [x for s in series for x in s.xs]
     ys = [y for s in series for y in s.ys if math.isfinite(y)]
@@ -76,30 +81,41 @@ def line_chart(chart_id: str, title: str, series: Sequence[Series], x_label: str
 
     parts = [f'<text x="{LEFT}" y="18" class="title">{html.escape(title)}</text>']
     for t in ticks(y0, y1):
-        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
-                     f'class="grid"/><text x="{LEFT - 6}" y="{py(t) + 4:.1f}" '
-                     f'text-anchor="end">{_label(t)}</text>')  # fmt: skip
+        parts.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
+            f'class="grid"/><text x="{LEFT - 6}" y="{py(t) + 4:.1f}" '
+            f'text-anchor="end">{_label(t)}</text>'
+        )
     for t in ticks(x0, x1):
-        parts.append(f'<text x="{px(t):.1f}" y="{HEIGHT - BOTTOM + 16}" '
-                     f'text-anchor="middle">{_label(t)}</text>')  # fmt: skip
-    parts.append(f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 4}" text-anchor="middle">'
-                 f"{html.escape(x_label)}</text>")  # fmt: skip
+        parts.append(
+            f'<text x="{px(t):.1f}" y="{HEIGHT - BOTTOM + 16}" '
+            f'text-anchor="middle">{_label(t)}</text>'
+        )
+    parts.append(
+        f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 4}" text-anchor="middle">'
+        f"{html.escape(x_label)}</text>"
+    )
     for m in marks:
-        parts.append(f'<line x1="{px(m):.1f}" x2="{px(m):.1f}" y1="{TOP}" y2="{TOP + ph}" '
-                     'class="mark"/>')  # fmt: skip
+        parts.append(
+            f'<line x1="{px(m):.1f}" x2="{px(m):.1f}" y1="{TOP}" y2="{TOP + ph}" class="mark"/>'
+        )
     drawn = 0
     for k, s in enumerate(series):
         color = PALETTE[k % len(PALETTE)]
         for run in _runs(s.xs, s.ys):
             pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
             width, opacity = (1, 0.35) if s.faint else (1.8, 1.0)
-            parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}" '
-                         f'stroke-width="{width}" stroke-opacity="{opacity}"/>')  # fmt: skip
+            parts.append(
+                f'<polyline points="{pts}" fill="none" stroke="{color}" '
+                f'stroke-width="{width}" stroke-opacity="{opacity}"/>'
+            )
             drawn += len(run)
     parts += _legend(series)
-    return (f'<svg id="{chart_id}" class="chart" data-points="{drawn}" width="{WIDTH}" '
-            f'height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
-            f'xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>')  # fmt: skip
+    return (
+        f'<svg id="{chart_id}" class="chart" data-points="{drawn}" width="{WIDTH}" '
+        f'height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
+        f'xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>'
+    )
 
 
 def _runs(xs: Sequence[float], ys: Sequence[float]) -> list[list[tuple[float, float]]]:
@@ -120,7 +136,9 @@ def _legend(series: Sequence[Series]) -> list[str]:
     parts, x = [], WIDTH - RIGHT - 4
     for k in reversed(range(len(series))):
         label = series[k].label
-        parts.append(f'<text x="{x}" y="18" text-anchor="end" fill="{PALETTE[k % len(PALETTE)]}">'
-                     f"{html.escape(label)}</text>")  # fmt: skip
+        parts.append(
+            f'<text x="{x}" y="18" text-anchor="end" fill="{PALETTE[k % len(PALETTE)]}">'
+            f"{html.escape(label)}</text>"
+        )
         x -= int(LEGEND_CHAR_PX * len(label)) + 14
     return parts

@@ -41,8 +41,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=0, help="samples per prompt (eval.num_samples)")
     p.add_argument("--temperature", type=float, default=-1.0, help="0 = greedy (eval.temperature)")
     p.add_argument("--num-prompts", type=int, default=0, help="held-out prompts (eval.num_prompts)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override")  # fmt: skip
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     p.add_argument("--out", default="", help="eval.jsonl to append to (default: the run's)")
     return p.parse_args(list(argv))
 
@@ -55,8 +56,11 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path, Path]:
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     config = Path(args.config) if args.config else run_dir / "config.toml"
     overrides = list(args.set)
-    for key, value in (("task.name", args.task), ("eval.num_samples", args.samples),
-                       ("eval.num_prompts", args.num_prompts)):  # fmt: skip
+    for key, value in (
+        ("task.name", args.task),
+        ("eval.num_samples", args.samples),
+        ("eval.num_prompts", args.num_prompts),
+    ):
         if value:
             overrides.append(f"{key}={json.dumps(value)}")
     if args.temperature >= 0:
@@ -75,14 +79,22 @@ def held_out_request(cfg: RunConfig, run_dir: Path, policy_version: int) -> Eval
     if not dataset.is_file() or cfg.task.name != _run_task(run_dir):  # another task's prompts
         dataset = write_prompts(cfg.task, Path(tempfile.mkdtemp()) / "prompts.jsonl")
     if cfg.eval.every_versions == 0:
-        print("asyncrl eval: this run did not evaluate (eval.every_versions = 0), so its "
-              "held-out prompts were also trained on", file=sys.stderr)  # fmt: skip
+        print(
+            "asyncrl eval: this run did not evaluate (eval.every_versions = 0), so its "
+            "held-out prompts were also trained on",
+            file=sys.stderr,
+        )
     ev = dataclasses.replace(cfg.eval, every_versions=max(1, cfg.eval.every_versions))
     _, held = held_out_split(load_dataset(dataset), ev)
-    return EvalRequest(eval_id=0, policy_version=policy_version, items=eval_items(held, ev.seed),
-                       num_samples=ev.num_samples, temperature=ev.temperature,
-                       max_new_tokens=ev.max_new_tokens or cfg.actor.max_new_tokens,
-                       pass_threshold=ev.pass_threshold)  # fmt: skip
+    return EvalRequest(
+        eval_id=0,
+        policy_version=policy_version,
+        items=eval_items(held, ev.seed),
+        num_samples=ev.num_samples,
+        temperature=ev.temperature,
+        max_new_tokens=ev.max_new_tokens or cfg.actor.max_new_tokens,
+        pass_threshold=ev.pass_threshold,
+    )
 
 
 def _run_task(run_dir: Path) -> str:
@@ -109,8 +121,15 @@ def evaluate_checkpoint(cfg: RunConfig, ckpt: Path, run_dir: Path) -> dict[str, 
     engine = build_engine(cfg, ckpt, seed=cfg.eval.seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        result = evaluate(engine, tokenizer, lambda: make_env(cfg.task), request, "offline",
-                          EpisodeLimits.from_config(cfg), cfg.actor.env_workers)  # fmt: skip
+        result = evaluate(
+            engine,
+            tokenizer,
+            lambda: make_env(cfg.task),
+            request,
+            "offline",
+            EpisodeLimits.from_config(cfg),
+            cfg.actor.env_workers,
+        )
     finally:
         engine.close()
     result = dataclasses.replace(result, policy_version=policy_version)

@@ -52,9 +52,12 @@ class RoleRunner:
         env = dict(os.environ, **self.env)
         out = open(self.log, "ab")  # noqa: SIM115 - the child keeps it
         return subprocess.Popen(
-            [sys.executable, "-m", "asyncrl", *self.args], stdout=out, stderr=subprocess.STDOUT,
-            env=env, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            [sys.executable, "-m", "asyncrl", *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
 
     def pids(self) -> tuple[int, int]:
         """(this Ray worker's pid, the role process's pid)."""
@@ -125,9 +128,11 @@ def resource_options(cfg: RunConfig, role: str) -> dict[str, Any]:
         return {"num_cpus": launch.hub_cpus}
     if role == "actor":
         opts: dict[str, Any] = {
-            "num_cpus": launch.actor_cpus, "num_gpus": launch.actor_gpus,
-            "max_restarts": launch.actor_max_restarts, "max_task_retries": 0,
-        }  # fmt: skip
+            "num_cpus": launch.actor_cpus,
+            "num_gpus": launch.actor_gpus,
+            "max_restarts": launch.actor_max_restarts,
+            "max_task_retries": 0,
+        }
         if launch.actor_memory_gb:
             opts["memory"] = int(launch.actor_memory_gb * 2**30)
         if launch.custom_resources():
@@ -156,8 +161,17 @@ def start_hub(cfg: RunConfig, config_path: Path, dataset: Path, run_dir: Path) -
         )
     endpoint_file = run_dir / "hub.endpoint"
     endpoint_file.unlink(missing_ok=True)
-    args = ["replay", "--config", str(config_path), "--dataset", str(dataset),
-            "--bind", f"tcp://{ip}:0", "--endpoint-file", str(endpoint_file)]  # fmt: skip
+    args = [
+        "replay",
+        "--config",
+        str(config_path),
+        "--dataset",
+        str(dataset),
+        "--bind",
+        f"tcp://{ip}:0",
+        "--endpoint-file",
+        str(endpoint_file),
+    ]
     if not loopback and not cfg.replay.auth_dir:
         args.append("--allow-insecure")
     options = dict(resource_options(cfg, "hub"), scheduling_strategy=_node_affinity(ip))
@@ -185,8 +199,19 @@ def start_actors(cfg: RunConfig, config_path: Path, endpoint: str, run_dir: Path
     runners = {}
     for i in range(cfg.run.num_actors):
         name = f"actor-{i}"
-        args = ["actor", "--config", str(config_path), "--hub", endpoint, "--actor-id", name,
-                "--index", str(i), "--status-file", str(run_dir / f"{name}.json")]  # fmt: skip
+        args = [
+            "actor",
+            "--config",
+            str(config_path),
+            "--hub",
+            endpoint,
+            "--actor-id",
+            name,
+            "--index",
+            str(i),
+            "--status-file",
+            str(run_dir / f"{name}.json"),
+        ]
         runners[name] = remote_runner(resource_options(cfg, "actor")).remote(
             name, args, {"OMP_NUM_THREADS": "1"}, str(run_dir / f"{name}.log")
         )
@@ -216,8 +241,7 @@ def start_learner(cfg: RunConfig, config_path: Path, endpoint: str, run_dir: Pat
                 probe = remote_runner(options).remote("probe", ["--help"], {}, os.devnull)
                 master = ray.get([probe.node_ip.remote(), probe.free_port.remote()])
                 ray.kill(probe)
-                env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-                           WORLD_SIZE=str(world))  # fmt: skip
+                env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), WORLD_SIZE=str(world))
             # Ray gives each rank only its own GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 there
             env = dict(env, RANK=str(rank), LOCAL_RANK="0")
         log = run_dir / ("learner.log" if rank == 0 else f"learner-rank{rank}.log")
@@ -249,8 +273,11 @@ class Supervisor:
                 worker, code = ray.get(runner.state.remote(), timeout=30)
             except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if name not in self.unavailable:
-                    print(f"launch: {name}'s Ray worker is gone ({type(exc).__name__}); "
-                          "Ray restarts it", flush=True)  # fmt: skip
+                    print(
+                        f"launch: {name}'s Ray worker is gone ({type(exc).__name__}); "
+                        "Ray restarts it",
+                        flush=True,
+                    )
                 self.unavailable.add(name)
                 continue
             known = self.workers.get(name, worker)
@@ -259,8 +286,11 @@ class Supervisor:
                 self.unavailable.discard(name)
                 print(f"launch: {name} is back (restarted by Ray)", flush=True)
             elif worker != known:  # died and came back between two checks
-                print(f"launch: {name}'s Ray worker is gone (pid {known}); Ray restarted it "
-                      f"(pid {worker})", flush=True)  # fmt: skip
+                print(
+                    f"launch: {name}'s Ray worker is gone (pid {known}); Ray restarted it "
+                    f"(pid {worker})",
+                    flush=True,
+                )
             if code is None or code == 0 or time.monotonic() < self.next_try[name]:
                 continue
             if self.restarts[name] >= self.max_restarts:
@@ -268,8 +298,11 @@ class Supervisor:
             self.restarts[name] += 1
             self.next_try[name] = time.monotonic() + min(60.0, 2.0 ** self.restarts[name])
             pid = ray.get(runner.restart.remote())
-            print(f"launch: {name} exited with {code}; restarted it (pid {pid}, restart "
-                  f"{self.restarts[name]} of {self.max_restarts})", flush=True)  # fmt: skip
+            print(
+                f"launch: {name} exited with {code}; restarted it (pid {pid}, restart "
+                f"{self.restarts[name]} of {self.max_restarts})",
+                flush=True,
+            )
 
 
 def launch(cfg: RunConfig, run_dir: Path, address: str) -> dict[str, Any]:
@@ -287,8 +320,11 @@ def launch(cfg: RunConfig, run_dir: Path, address: str) -> dict[str, Any]:
 
     config_path, dataset = prepare(cfg, run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    ray.init(address=address or None, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})  # fmt: skip
+    ray.init(
+        address=address or None,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
     hub, endpoint = start_hub(cfg, config_path, dataset, run_dir)
     actors = start_actors(cfg, config_path, endpoint, run_dir)
     learner = start_learner(cfg, config_path, endpoint, run_dir)
@@ -356,11 +392,18 @@ def _interrupt(signum: int, _frame: object) -> None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="asyncrl launch", description="Run on a Ray cluster.")
     p.add_argument("config", help="run config TOML")
-    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help="Ray cluster address (default: auto, i.e. RAY_ADDRESS or a local one)")  # fmt: skip
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help="Ray cluster address (default: auto, i.e. RAY_ADDRESS or a local one)",
+    )
     p.add_argument("--run-dir", default="", help="overrides run.run_dir (shared by all nodes)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override")  # fmt: skip
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     return p.parse_args(list(argv))
 
 
@@ -382,6 +425,9 @@ def main(argv: Sequence[str]) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the run like Ctrl-C
     summary = launch(cfg, run_dir, "" if args.ray == "auto" else args.ray)
-    print(f"launch: done ({summary['ended']}): {summary.get('steps', 0)} steps; "
-          f"actor restarts {summary['actor_restarts']}", flush=True)  # fmt: skip
+    print(
+        f"launch: done ({summary['ended']}): {summary.get('steps', 0)} steps; "
+        f"actor restarts {summary['actor_restarts']}",
+        flush=True,
+    )
     return 0 if summary["ended"].endswith("exited with 0") else 1

@@ -64,7 +64,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         "config": tomllib.loads(config_path.read_text()) if config_path.is_file() else {},
         "summary": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
         "table": table,
-    }  # fmt: skip
+    }
 
 
 def column(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
@@ -95,22 +95,34 @@ def curves(run: dict[str, Any]) -> list[str]:
     charts = [
         chart("chart-reward", "reward", [("reward_mean", "mean reward")], raw=True),
         chart("chart-throughput", "throughput (samples/s)", [("samples_per_s", "samples/s")]),
-        chart("chart-staleness", "staleness (versions)",
-              [("staleness_mean", "mean"), ("staleness_max", "max")]),
+        chart(
+            "chart-staleness",
+            "staleness (versions)",
+            [("staleness_mean", "mean"), ("staleness_max", "max")],
+        ),
         chart("chart-ess", "effective sample size (fraction)", [("ess", "ESS")], raw=True),
         chart("chart-kl", "mismatch KL (learner vs behaviour)", [("mismatch_kl", "KL")], raw=True),
         chart("chart-entropy", "entropy (nats/token)", [("entropy", "entropy")]),
         chart("chart-length", "response length (tokens)", [("response_len_mean", "mean length")]),
-    ]  # fmt: skip
+    ]
     evals = sorted(run["evals"], key=lambda e: e.get("policy_version", 0))
     versions = column(evals, "policy_version")
     n = int(evals[-1].get("num_samples", 1)) if evals else 1
-    eval_series = [Series("held-out reward", versions, column(evals, "reward_mean")),
-                   Series("pass@1", versions, column(evals, "pass@1"))]  # fmt: skip
+    eval_series = [
+        Series("held-out reward", versions, column(evals, "reward_mean")),
+        Series("pass@1", versions, column(evals, "pass@1")),
+    ]
     if n > 1:
         eval_series.append(Series(f"pass@{n}", versions, column(evals, f"pass@{n}")))
-    charts.append(line_chart("chart-eval", "evaluation (held-out prompts)", eval_series,
-                             x_label="policy version", marks=marks))  # fmt: skip
+    charts.append(
+        line_chart(
+            "chart-eval",
+            "evaluation (held-out prompts)",
+            eval_series,
+            x_label="policy version",
+            marks=marks,
+        )
+    )
     return charts
 
 
@@ -122,8 +134,10 @@ def alarm_table(alarms: Sequence[dict[str, Any]]) -> str:
         f"<td>{html.escape(a.get('action', 'warn'))}</td><td>{html.escape(a['message'])}</td></tr>"
         for a in alarms
     )
-    return (f'<table id="alarms"><tr><th>step</th><th>version</th><th>alarm</th><th>action</th>'
-            f"<th>evidence</th></tr>{rows}</table>")  # fmt: skip
+    return (
+        f'<table id="alarms"><tr><th>step</th><th>version</th><th>alarm</th><th>action</th>'
+        f"<th>evidence</th></tr>{rows}</table>"
+    )
 
 
 def weight_color(weight: float) -> str:
@@ -141,10 +155,12 @@ def trajectory_html(
     """One trajectory: its facts, its prompt, then every completion token with its numbers."""
     r = record
     comps = ", ".join(f"{k} {v:.4g}" for k, v in r.get("components", {}).items())
-    facts = (f"{label}: reward <b>{r['reward']:.4g}</b>{' (' + comps + ')' if comps else ''}, "
-             f"advantage {r['advantage']:.3g}, finish {r['finish_reason']}, versions "
-             f"{r['min_version']}..{r['max_version']}, staleness {r['staleness']}, step "
-             f"{r['step']}, actor {r['actor_id']}, kept as {r['reason']}")  # fmt: skip
+    facts = (
+        f"{label}: reward <b>{r['reward']:.4g}</b>{' (' + comps + ')' if comps else ''}, "
+        f"advantage {r['advantage']:.3g}, finish {r['finish_reason']}, versions "
+        f"{r['min_version']}..{r['max_version']}, staleness {r['staleness']}, step "
+        f"{r['step']}, actor {r['actor_id']}, kept as {r['reason']}"
+    )
     plen, tokens = r["prompt_len"], r["tokens"]
     spans = []
     for who, a, b in turns(r):
@@ -157,12 +173,16 @@ def trajectory_html(
                 w, tip = math.nan, f"environment token, learner lp {lp:.4f}, mask 0"
             cls = "tok" if who == "model" else "tok env"
             text = html.escape(decode([tokens[plen + k]]))
-            spans.append(f'<span class="{cls}" style="background:{weight_color(w)}" '
-                         f'title="{tip}">{text}</span>')  # fmt: skip
-    return (f'<div class="trajectory" data-reward="{r["reward"]:.6g}" '
-            f'data-id="{html.escape(r["trajectory_id"])}"><div class="meta">{facts}</div>'
-            f"<div><b>prompt</b> <code>{html.escape(decode(tokens[:plen]))}</code></div>"
-            f"<div><b>completion</b> {''.join(spans)}</div></div>")  # fmt: skip
+            spans.append(
+                f'<span class="{cls}" style="background:{weight_color(w)}" '
+                f'title="{tip}">{text}</span>'
+            )
+    return (
+        f'<div class="trajectory" data-reward="{r["reward"]:.6g}" '
+        f'data-id="{html.escape(r["trajectory_id"])}"><div class="meta">{facts}</div>'
+        f"<div><b>prompt</b> <code>{html.escape(decode(tokens[:plen]))}</code></div>"
+        f"<div><b>completion</b> {''.join(spans)}</div></div>"
+    )
 
 
 def trajectories_html(table: Table | None, run_dir: Path) -> str:
@@ -171,8 +191,10 @@ def trajectories_html(table: Table | None, run_dir: Path) -> str:
     order = np.argsort(table["reward"], kind="stable")
     worst, best = order[:NUM_SHOWN], order[::-1][:NUM_SHOWN]
     decode = decoder(run_dir)
-    parts = ['<p class="meta">Token colour: IS weight π/μ (blue below 1, red above); hover a '
-             "token for its log-probs. Dashed: inserted by the environment (mask 0).</p>"]  # fmt: skip
+    parts = [
+        '<p class="meta">Token colour: IS weight π/μ (blue below 1, red above); hover a '
+        "token for its log-probs. Dashed: inserted by the environment (mask 0).</p>"
+    ]
     parts += [trajectory_html(table.record(int(i)), decode, "worst") for i in worst]
     parts += [trajectory_html(table.record(int(i)), decode, "best") for i in best]
     return f'<section id="trajectories">{"".join(parts)}</section>'
@@ -181,11 +203,18 @@ def trajectories_html(table: Table | None, run_dir: Path) -> str:
 def header(run: dict[str, Any], run_dir: Path) -> str:
     cfg, summary = run["config"], run["summary"]
     get = lambda section, key: cfg.get(section, {}).get(key, "?")  # noqa: E731
-    facts = [f"task {get('task', 'name')}", f"loss {get('loss', 'name')}",
-             f"η = {get('replay', 'max_staleness')}", f"{len(run['metrics'])} steps"]  # fmt: skip
+    facts = [
+        f"task {get('task', 'name')}",
+        f"loss {get('loss', 'name')}",
+        f"η = {get('replay', 'max_staleness')}",
+        f"{len(run['metrics'])} steps",
+    ]
     if summary.get("steps"):
-        facts += [f"reward {summary['reward_first_tenth']:.3f} → {summary['reward_last_tenth']:.3f}"
-                  " (first → last tenth)", f"{summary['samples_per_s']:.0f} samples/s"]  # fmt: skip
+        facts += [
+            f"reward {summary['reward_first_tenth']:.3f} → {summary['reward_last_tenth']:.3f}"
+            " (first → last tenth)",
+            f"{summary['samples_per_s']:.0f} samples/s",
+        ]
     facts += [f"{len(run['alarms'])} alarms", f"{len(run['evals'])} evaluations"]
     return f"<h1>asyncrl run {html.escape(str(run_dir))}</h1><p>{' · '.join(facts)}</p>"
 
@@ -193,12 +222,14 @@ def header(run: dict[str, Any], run_dir: Path) -> str:
 def render(run_dir: Path) -> str:
     """The whole report as one HTML document."""
     run = load_run(run_dir)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>asyncrl report "
-            f"{html.escape(run_dir.name)}</title><style>{CSS}</style></head><body>"
-            f"{header(run, run_dir)}<h2>Curves</h2><div class='charts'>{''.join(curves(run))}"
-            f"</div><h2>Alarms</h2>{alarm_table(run['alarms'])}"
-            f"<h2>Worst and best kept trajectories</h2>{trajectories_html(run['table'], run_dir)}"
-            f"</body></html>")  # fmt: skip
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>asyncrl report "
+        f"{html.escape(run_dir.name)}</title><style>{CSS}</style></head><body>"
+        f"{header(run, run_dir)}<h2>Curves</h2><div class='charts'>{''.join(curves(run))}"
+        f"</div><h2>Alarms</h2>{alarm_table(run['alarms'])}"
+        f"<h2>Worst and best kept trajectories</h2>{trajectories_html(run['table'], run_dir)}"
+        f"</body></html>"
+    )
 
 
 def main(argv: Sequence[str]) -> int:

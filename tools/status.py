@@ -38,8 +38,15 @@ def query(endpoint: str, msg: Message, timeout_s: float, auth_dir: str = "") -> 
     """Send one StatusRequest or Control to the hub; return the status it answers with."""
     ctx = zmq.Context()
     client_id = f"status-{os.getpid()}-{secrets.token_hex(3)}"
-    sock = connect_dealer(ctx, endpoint, client_id, hwm=100, max_message_bytes=64 << 20,
-                          heartbeat_s=1.0, auth_dir=auth_dir)  # fmt: skip
+    sock = connect_dealer(
+        ctx,
+        endpoint,
+        client_id,
+        hwm=100,
+        max_message_bytes=64 << 20,
+        heartbeat_s=1.0,
+        auth_dir=auth_dir,
+    )
     try:
         send_parts(sock, encode(msg))
         if not sock.poll(int(timeout_s * 1000)):
@@ -60,16 +67,31 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def client_lines(clients: dict[str, dict[str, Any]]) -> str:
-    header = [("client", 10), ("role", 7), ("alive", 5), ("weights", 7), ("lag", 3),
-              ("credits", 7), ("silent s", 8), ("note", 4)]  # fmt: skip
+    header = [
+        ("client", 10),
+        ("role", 7),
+        ("alive", 5),
+        ("weights", 7),
+        ("lag", 3),
+        ("credits", 7),
+        ("silent s", 8),
+        ("note", 4),
+    ]
     lines = []
     for cid, c in sorted(clients.items(), key=lambda kv: (kv[1].get("role", ""), kv[0])):
         actor = c.get("role") == "actor"
-        lines.append([cid, str(c.get("role", "?")), "yes" if c.get("alive") else "no",
-                      str(c.get("loaded_version", "-")) if actor else "-",
-                      str(c.get("lag", "-")) if actor else "-",
-                      str(c.get("outstanding", "-")) if actor else "-",
-                      _fmt(c.get("silent_s", "-")), str(c.get("why", ""))])  # fmt: skip
+        lines.append(
+            [
+                cid,
+                str(c.get("role", "?")),
+                "yes" if c.get("alive") else "no",
+                str(c.get("loaded_version", "-")) if actor else "-",
+                str(c.get("lag", "-")) if actor else "-",
+                str(c.get("outstanding", "-")) if actor else "-",
+                _fmt(c.get("silent_s", "-")),
+                str(c.get("why", "")),
+            ]
+        )
     return format_table(header, lines)
 
 
@@ -87,26 +109,41 @@ def format_status(s: dict[str, Any]) -> str:
         f"(bound η = {st['bound']}); histogram {hist}",
         f"buffer: {buf['stored']} groups stored of {buf['capacity']}; "
         f"{buf['parked_requests']} learner request(s) waiting",
-        "", client_lines(s["clients"]), "",
-    ]  # fmt: skip
+        "",
+        client_lines(s["clients"]),
+        "",
+    ]
     errors = ", ".join(f"{k} {v}" for k, v in sorted(s["errors"].items())) or "none"
     out.append(f"errors refused: {errors}")
     alarms = s["alarms"]
     out.append(f"alarms: {s['num_alarms']}" + (" (latest last):" if alarms else ""))
-    out += [f"  step {a['step']} (version {a['policy_version']}) {a['name']} [{a['action']}]: "
-            f"{a['message']}" for a in alarms[-5:]]  # fmt: skip
+    out += [
+        f"  step {a['step']} (version {a['policy_version']}) {a['name']} [{a['action']}]: "
+        f"{a['message']}"
+        for a in alarms[-5:]
+    ]
     if ev["every_versions"]:
         last = ev["last"]
-        tail = (f"; last: version {last['policy_version']}, reward {last['reward_mean']:.3f}, "
-                f"pass@1 {last['pass@1']:.3f}, length {last['length_mean']:.1f}") if last else ""  # fmt: skip
-        out.append(f"eval: every {ev['every_versions']} versions; {ev['requested']} asked, "
-                   f"{ev['results']} done{tail}")  # fmt: skip
+        tail = (
+            (
+                f"; last: version {last['policy_version']}, reward {last['reward_mean']:.3f}, "
+                f"pass@1 {last['pass@1']:.3f}, length {last['length_mean']:.1f}"
+            )
+            if last
+            else ""
+        )
+        out.append(
+            f"eval: every {ev['every_versions']} versions; {ev['requested']} asked, "
+            f"{ev['results']} done{tail}"
+        )
     c = s["counters"]
-    out.append(f"groups: {c['groups_received']} received, {c['groups_stored']} stored, "
-               f"{c['groups_consumed']} consumed, {c['groups_dropped_stale']} dropped as stale, "
-               f"{c['groups_duplicate']} duplicates; credits: {c['credits_issued']} issued, "
-               f"{c['credits_outstanding']} outstanding, {c['credits_expired']} expired; "
-               f"prompts re-issued {c['prompts_reissued']}")  # fmt: skip
+    out.append(
+        f"groups: {c['groups_received']} received, {c['groups_stored']} stored, "
+        f"{c['groups_consumed']} consumed, {c['groups_dropped_stale']} dropped as stale, "
+        f"{c['groups_duplicate']} duplicates; credits: {c['credits_issued']} issued, "
+        f"{c['credits_outstanding']} outstanding, {c['credits_expired']} expired; "
+        f"prompts re-issued {c['prompts_reissued']}"
+    )
     return "\n".join(out)
 
 
@@ -124,10 +161,23 @@ def resolve_endpoint(target: str) -> str:
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="asyncrl status", description="A live hub's summary.")
     p.add_argument("endpoint", help="hub endpoint (tcp://host:port, ipc://path) or run directory")
-    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
-                   help="refresh every SECONDS (default 2) until Ctrl-C")  # fmt: skip
-    p.add_argument("--pause", nargs="?", const="operator", default=None, metavar="REASON",
-                   help="stop granting credits (the actors idle)")  # fmt: skip
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument(
+        "--pause",
+        nargs="?",
+        const="operator",
+        default=None,
+        metavar="REASON",
+        help="stop granting credits (the actors idle)",
+    )
     p.add_argument("--resume", action="store_true", help="grant credits again")
     p.add_argument("--json", action="store_true", help="print the raw summary as JSON")
     p.add_argument("--auth", default="", metavar="DIR", help="CURVE key dir of the hub")
@@ -136,8 +186,11 @@ def main(argv: Sequence[str]) -> int:
     endpoint = resolve_endpoint(args.endpoint)
     msg: Message = StatusRequest()
     if args.pause is not None or args.resume:
-        msg = Control(action="resume", reason="") if args.resume else Control(action="pause",
-                                                                             reason=args.pause)  # fmt: skip
+        msg = (
+            Control(action="resume", reason="")
+            if args.resume
+            else Control(action="pause", reason=args.pause)
+        )
     try:
         while True:
             status = query(endpoint, msg, args.timeout, args.auth)

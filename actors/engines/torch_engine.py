@@ -205,15 +205,19 @@ class TorchEngine:
             if not bool(keep.all()):
                 cache.batch_select_indices(keep.nonzero().squeeze(1))
                 active, token, mask, positions = (
-                    active[keep], token[keep], mask[keep], positions[keep],
-                )  # fmt: skip
+                    active[keep],
+                    token[keep],
+                    mask[keep],
+                    positions[keep],
+                )
             step += 1
             version = self._policy_version
             if self.between_steps is not None:
                 self.between_steps()
             if self._policy_version != version:  # new weights: recompute the cache under them
-                cache, logits, mask = self._recompute([rows.context(int(r), step)
-                                                       for r in active.tolist()])  # fmt: skip
+                cache, logits, mask = self._recompute(
+                    [rows.context(int(r), step) for r in active.tolist()]
+                )
                 positions = mask.sum(dim=1, keepdim=True) - 1
                 rows.start_turns(parked, step)
                 parked.clear()
@@ -258,8 +262,9 @@ class TorchEngine:
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """`_prefill`, continuing kept caches where requests name usable ones: the cached
         tokens right-aligned, then each request's new tokens left-padded after them."""
-        entries = [self.kv.take(r.resume_key, r.prompt_tokens, self._policy_version)
-                   for r in requests]  # fmt: skip
+        entries = [
+            self.kv.take(r.resume_key, r.prompt_tokens, self._policy_version) for r in requests
+        ]
         if all(e is None for e in entries):
             cache = DynamicCache(config=self.model.config)
             logits, mask = self._prefill(requests, cache)

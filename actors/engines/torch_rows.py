@@ -71,8 +71,14 @@ class DecodeRows:
 
     # --- recording ----------------------------------------------------------------------
 
-    def record(self, active: torch.Tensor, step: int, token: torch.Tensor,
-               logprob: torch.Tensor, version: int) -> None:  # fmt: skip
+    def record(
+        self,
+        active: torch.Tensor,
+        step: int,
+        token: torch.Tensor,
+        logprob: torch.Tensor,
+        version: int,
+    ) -> None:
         """Step `step`'s tokens of the running rows."""
         if step >= self.tokens.shape[1]:
             grow = self.tokens.shape[1]

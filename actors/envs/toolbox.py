@@ -35,9 +35,13 @@ from actors.envs.base import Row
 from actors.envs.tool_calls import ToolCall, ToolResult
 
 JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
-    "object": (dict,), "array": (list,),
-}  # fmt: skip
+    "string": (str,),
+    "number": (int, float),
+    "integer": (int,),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
 
 
 class ToolError(Exception):
@@ -65,10 +69,13 @@ class Tool:
             "function": {
                 "name": self.name,
                 "description": self.description,
-                "parameters": {"type": "object", "properties": self.parameters,
-                               "required": required},
+                "parameters": {
+                    "type": "object",
+                    "properties": self.parameters,
+                    "required": required,
+                },
             },
-        }  # fmt: skip
+        }
 
 
 TOOLS: dict[str, Tool] = {}
@@ -155,10 +162,16 @@ MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e30
 _OPS: dict[type, Callable[..., Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-    ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 @tool(

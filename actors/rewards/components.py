@@ -184,10 +184,14 @@ def item_from_episode(row: Row, episode: Any) -> ScoreItem:
     joined by newlines, its final step, and why the environment could not score it."""
     _, mask, _ = episode.trajectory()
     return ScoreItem(
-        row=row, prompt=prompt_text(row), completion="\n".join(episode.model_texts),
-        step=episode.last_step, task_failed=episode.reward_failed,
-        num_completion_tokens=int(mask.sum()), finish_reason=episode.finish_reason or "stop",
-    )  # fmt: skip
+        row=row,
+        prompt=prompt_text(row),
+        completion="\n".join(episode.model_texts),
+        step=episode.last_step,
+        task_failed=episode.reward_failed,
+        num_completion_tokens=int(mask.sum()),
+        finish_reason=episode.finish_reason or "stop",
+    )
 
 
 def prompt_text(row: Row) -> str:

@@ -128,11 +128,22 @@ def make_repetition(cfg: RunConfig) -> RewardComponent:
 
 MASTER_KEY_OPENERS = frozenset(
     {
-        "thought process", "let s solve this problem step by step", "let s think step by step",
-        "solution", "answer", "the answer is", "step 1", "reasoning", "explanation",
-        "final answer", "let me think", "解", "答案", "首先",
+        "thought process",
+        "let s solve this problem step by step",
+        "let s think step by step",
+        "solution",
+        "answer",
+        "the answer is",
+        "step 1",
+        "reasoning",
+        "explanation",
+        "final answer",
+        "let me think",
+        "解",
+        "答案",
+        "首先",
     }
-)  # fmt: skip
+)
 """Reasoning openers that, alone, fooled LLM judges into a positive verdict ("One Token to
 Fool LLM-as-a-Judge", 2025); compared after lower-casing and dropping punctuation."""
 

@@ -193,8 +193,9 @@ class JudgeComponent:
         return [r for r in out if r is not None]
 
     def key(self, item: ScoreItem) -> str:
-        blob = json.dumps([self.rubric_hash, self.mode, item.prompt, item.completion,
-                           str(item.row.answer or "")])  # fmt: skip
+        blob = json.dumps(
+            [self.rubric_hash, self.mode, item.prompt, item.completion, str(item.row.answer or "")]
+        )
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def prompts(self, item: ScoreItem) -> list[str]:
@@ -202,8 +203,14 @@ class JudgeComponent:
         reference = escape(str(item.row.answer if item.row.answer is not None else ""))
         response, prompt = escape(item.completion), escape(item.prompt)
         if self.mode == "pointwise":
-            return [self.rubric.format(prompt=prompt, response=response, reference=reference,
-                                       max_grade=f"{self.max_grade:g}")]  # fmt: skip
+            return [
+                self.rubric.format(
+                    prompt=prompt,
+                    response=response,
+                    reference=reference,
+                    max_grade=f"{self.max_grade:g}",
+                )
+            ]
         return [
             self.rubric.format(prompt=prompt, response_a=response, response_b=reference),
             self.rubric.format(prompt=prompt, response_a=reference, response_b=response),
@@ -218,8 +225,10 @@ class JudgeComponent:
             first, second = parse_winner(answers[0]), parse_winner(answers[1])
         except ValueError as exc:
             self.stats["parse_failures"] += 1
-            return ComponentResult(failed=f"judge parse failure: {exc}",
-                                   details={"answers": [a[-200:] for a in answers]})  # fmt: skip
+            return ComponentResult(
+                failed=f"judge parse failure: {exc}",
+                details={"answers": [a[-200:] for a in answers]},
+            )
         # order 1: the response is A; order 2: it is B
         points = {"A": 1.0, "B": -1.0, "tie": 0.0}
         value = (points[first] - points[second]) / 2.0
@@ -239,8 +248,16 @@ class HttpJudge:
     """An OpenAI-compatible chat-completions endpoint, at most `max_concurrency` requests in
     flight; a request that fails answers "" (a recorded parse failure), never raises."""
 
-    def __init__(self, url: str, model: str, *, api_key: str = "", timeout_s: float = 60.0,
-                 max_concurrency: int = 8, max_new_tokens: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str = "",
+        timeout_s: float = 60.0,
+        max_concurrency: int = 8,
+        max_new_tokens: int = 256,
+    ) -> None:
         self.url = url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
         self.max_new_tokens = max_new_tokens
@@ -251,8 +268,12 @@ class HttpJudge:
         return list(self.pool.map(self.one, prompts))
 
     def one(self, prompt: str) -> str:
-        body = {"model": self.model, "temperature": 0.0, "max_tokens": self.max_new_tokens,
-                "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+        body = {
+            "model": self.model,
+            "temperature": 0.0,
+            "max_tokens": self.max_new_tokens,
+            "messages": [{"role": "user", "content": prompt}],
+        }
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -280,8 +301,16 @@ class EngineJudge:
     """One of our engines (torch or vLLM) as the judge: greedy, `max_concurrency` prompts per
     engine call (near-greedy, seeded), each prompt cut to its last `max_prompt_tokens` tokens."""
 
-    def __init__(self, engine: Any, tokenizer: Any, *, max_new_tokens: int = 256,
-                 max_concurrency: int = 8, max_prompt_tokens: int = 0, name: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int = 256,
+        max_concurrency: int = 8,
+        max_prompt_tokens: int = 0,
+        name: str = "",
+    ) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.max_new_tokens, self.max_concurrency = max_new_tokens, max_concurrency
         self.max_prompt_tokens = max_prompt_tokens
@@ -295,13 +324,22 @@ class EngineJudge:
         for lo in range(0, len(prompts), self.max_concurrency):
             part = prompts[lo : lo + self.max_concurrency]
             ids = [self.tokenizer.encode(p)[-self.max_prompt_tokens :] for p in part]
-            requests = [GenerationRequest(prompt_tokens=t, n=1, temperature=GREEDY, seed=0,
-                                          max_new_tokens=self.max_new_tokens, stop_token_ids=stop)
-                        for t in ids]  # fmt: skip
+            requests = [
+                GenerationRequest(
+                    prompt_tokens=t,
+                    n=1,
+                    temperature=GREEDY,
+                    seed=0,
+                    max_new_tokens=self.max_new_tokens,
+                    stop_token_ids=stop,
+                )
+                for t in ids
+            ]
             self.calls.append(len(requests))
             samples = self.engine.generate(requests)
-            out += self.tokenizer.batch_decode([s[0].completion_tokens.tolist() for s in samples],
-                                               skip_special_tokens=True)  # fmt: skip
+            out += self.tokenizer.batch_decode(
+                [s[0].completion_tokens.tolist() for s in samples], skip_special_tokens=True
+            )
         return out
 
     def describe(self) -> dict[str, str]:
@@ -317,9 +355,14 @@ def make_backend(judge: JudgeConfig, seed: int = 0) -> JudgeBackend:
         if not judge.url:
             raise ValueError("judge.url: the http judge needs an endpoint URL")
         key = os.environ.get(judge.api_key_env, "") if judge.api_key_env else ""
-        return HttpJudge(judge.url, judge.model, api_key=key, timeout_s=judge.timeout_s,
-                         max_concurrency=judge.max_concurrency,
-                         max_new_tokens=judge.max_new_tokens)  # fmt: skip
+        return HttpJudge(
+            judge.url,
+            judge.model,
+            api_key=key,
+            timeout_s=judge.timeout_s,
+            max_concurrency=judge.max_concurrency,
+            max_new_tokens=judge.max_new_tokens,
+        )
     if not judge.model:
         raise ValueError(f"judge.model: the {judge.backend} judge needs a model directory")
     from transformers import AutoTokenizer
@@ -333,14 +376,24 @@ def make_backend(judge: JudgeConfig, seed: int = 0) -> JudgeBackend:
         from actors.engines.vllm_engine import VllmEngine
 
         engine = VllmEngine(Path(judge.model), seed=seed)
-    return EngineJudge(engine, AutoTokenizer.from_pretrained(judge.model),
-                       max_new_tokens=judge.max_new_tokens,
-                       max_concurrency=judge.max_concurrency, name=judge.model)  # fmt: skip
+    return EngineJudge(
+        engine,
+        AutoTokenizer.from_pretrained(judge.model),
+        max_new_tokens=judge.max_new_tokens,
+        max_concurrency=judge.max_concurrency,
+        name=judge.model,
+    )
 
 
-def make_component(cfg: RunConfig, backend_factory: Callable[..., JudgeBackend] = make_backend) -> JudgeComponent:  # fmt: skip
+def make_component(
+    cfg: RunConfig, backend_factory: Callable[..., JudgeBackend] = make_backend
+) -> JudgeComponent:
     """The `judge` component `[judge]` describes."""
     rubric = Path(cfg.judge.rubric).read_text() if cfg.judge.rubric else ""
-    return JudgeComponent(backend_factory(cfg.judge, cfg.run.seed), rubric=rubric,
-                          mode=cfg.judge.mode, max_grade=cfg.judge.max_grade,
-                          cache_entries=cfg.judge.cache_entries)  # fmt: skip
+    return JudgeComponent(
+        backend_factory(cfg.judge, cfg.run.seed),
+        rubric=rubric,
+        mode=cfg.judge.mode,
+        max_grade=cfg.judge.max_grade,
+        cache_entries=cfg.judge.cache_entries,
+    )

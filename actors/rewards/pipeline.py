@@ -123,10 +123,14 @@ class RewardPipeline:
         rule = ComposeRule.from_config(cfg.reward)
         components = [build_component(name, cfg) for name in rule.names]
         return cls(
-            components, rule, on_failure=cfg.reward.on_failure,
-            max_retries=cfg.reward.max_retries, timeout_s=cfg.reward.component_timeout_s,
-            disagree_margin=cfg.reward.disagree_margin, canaries=canaries,
-        )  # fmt: skip
+            components,
+            rule,
+            on_failure=cfg.reward.on_failure,
+            max_retries=cfg.reward.max_retries,
+            timeout_s=cfg.reward.component_timeout_s,
+            disagree_margin=cfg.reward.disagree_margin,
+            canaries=canaries,
+        )
 
     # --- scoring ------------------------------------------------------------------------------
 
@@ -199,8 +203,10 @@ class RewardPipeline:
         own = {n: r.provenance for n, r in results.items() if r.provenance}
         if own:
             comps = provenance["components"]
-            provenance = {**provenance, "components": {**comps, **{
-                n: {**comps.get(n, {}), **p} for n, p in own.items()}}}  # fmt: skip
+            provenance = {
+                **provenance,
+                "components": {**comps, **{n: {**comps.get(n, {}), **p} for n, p in own.items()}},
+            }
         for name in failures:
             self.stats[f"failed/{name}"] += 1
         for flag in flags:
@@ -210,13 +216,15 @@ class RewardPipeline:
             failures["compose"] = f"reward is not finite: {reward!r}"
             reward = 0.0
         return RewardOutcome(
-            reward=reward, components=values,
+            reward=reward,
+            components=values,
             failed="; ".join(f"{n}: {why}" for n, why in failures.items()),
             failed_components=tuple(failures),
-            provenance=provenance, drop_group=bool(failures) and self.on_failure == "drop_group",
+            provenance=provenance,
+            drop_group=bool(failures) and self.on_failure == "drop_group",
             flags=tuple(dict.fromkeys(flags)),
             details={n: r.details for n, r in results.items() if r.details},
-        )  # fmt: skip
+        )
 
     def disagrees(self, task: float, judge: float, item: ScoreItem) -> bool:
         """Task verifier and judge on different sides of the margin (judge in [0, 1]; a

@@ -114,20 +114,38 @@ class _State:
 class RewardModelClient:
     """Scores texts with a served reward model; thread-safe `submit`, one I/O thread."""
 
-    def __init__(self, endpoint: str, *, client_id: str = "rm-client", timeout_s: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 2.0,
-                 max_in_flight: int = 64, auth_dir: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        client_id: str = "rm-client",
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 2.0,
+        max_in_flight: int = 64,
+        auth_dir: str = "",
+    ) -> None:
         if not endpoint:
             raise ValueError("reward_model.endpoint: empty (start `asyncrl reward-server` first)")
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_in_flight < 1:
-            raise ValueError("reward_model: timeout_s > 0, retries >= 0, backoff_s >= 0 and "
-                             "max_in_flight >= 1 are required")  # fmt: skip
+            raise ValueError(
+                "reward_model: timeout_s > 0, retries >= 0, backoff_s >= 0 and "
+                "max_in_flight >= 1 are required"
+            )
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.max_backoff_s = max(max_backoff_s, backoff_s)
         self.max_in_flight = max_in_flight
         self.ctx = zmq.Context()
-        self.dealer = connect_dealer(self.ctx, endpoint, client_id, hwm=10000, heartbeat_s=1.0,
-                                     max_message_bytes=MAX_MESSAGE_BYTES, auth_dir=auth_dir)  # fmt: skip
+        self.dealer = connect_dealer(
+            self.ctx,
+            endpoint,
+            client_id,
+            hwm=10000,
+            heartbeat_s=1.0,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            auth_dir=auth_dir,
+        )
         self.wake_addr = f"inproc://rm-client-{id(self)}"
         self.wake_push = self.ctx.socket(zmq.PUSH)
         self.wake_pull = self.ctx.socket(zmq.PULL)
@@ -138,16 +156,28 @@ class RewardModelClient:
         self.ids = itertools.count(1)
         self.state = _State()
         self.closing = threading.Event()
-        self.stats = {"requests": 0, "retries": 0, "timeouts": 0, "late_replies": 0,
-                      "failures": 0, "samples": 0}  # fmt: skip
+        self.stats = {
+            "requests": 0,
+            "retries": 0,
+            "timeouts": 0,
+            "late_replies": 0,
+            "failures": 0,
+            "samples": 0,
+        }
         self.thread = threading.Thread(target=self.io_loop, name="rm-client-io", daemon=True)
         self.thread.start()
 
     @classmethod
     def from_config(cls, cfg: RewardModelConfig, client_id: str) -> RewardModelClient:
-        return cls(cfg.endpoint, client_id=client_id, timeout_s=cfg.timeout_s,
-                   retries=cfg.retries, backoff_s=cfg.backoff_s,
-                   max_in_flight=cfg.max_in_flight, auth_dir=cfg.auth_dir)  # fmt: skip
+        return cls(
+            cfg.endpoint,
+            client_id=client_id,
+            timeout_s=cfg.timeout_s,
+            retries=cfg.retries,
+            backoff_s=cfg.backoff_s,
+            max_in_flight=cfg.max_in_flight,
+            auth_dir=cfg.auth_dir,
+        )
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -156,8 +186,12 @@ class RewardModelClient:
         RewardModelError."""
         if len(prompts) != len(completions):
             raise ValueError(f"completions: {len(completions)} items for {len(prompts)} prompts")
-        request = ScoreRequest(request_id=next(self.ids), prompts=list(prompts),
-                               completions=list(completions), timeout_s=self.timeout_s)  # fmt: skip
+        request = ScoreRequest(
+            request_id=next(self.ids),
+            prompts=list(prompts),
+            completions=list(completions),
+            timeout_s=self.timeout_s,
+        )
         return self._enqueue(request)
 
     def score_async(self, texts: Sequence[str]) -> Future:
@@ -284,11 +318,23 @@ class RewardModelClient:
         n = len(call.request.prompts)
         if msg.scores.shape != (n,) or not np.all(np.isfinite(msg.scores)):
             self.stats["failures"] += 1
-            _settle(call.future, error=RewardModelError(
-                "bad_message", "scores", f"expected {n} finite scores, got {msg.scores!r}"))  # fmt: skip
+            _settle(
+                call.future,
+                error=RewardModelError(
+                    "bad_message", "scores", f"expected {n} finite scores, got {msg.scores!r}"
+                ),
+            )
             return
-        _settle(call.future, ScoreResult(np.array(msg.scores), msg.model_dir, msg.model_hash,
-                                           call.attempts, time.monotonic() - call.submitted_s))  # fmt: skip
+        _settle(
+            call.future,
+            ScoreResult(
+                np.array(msg.scores),
+                msg.model_dir,
+                msg.model_hash,
+                call.attempts,
+                time.monotonic() - call.submitted_s,
+            ),
+        )
 
     def retry_or_fail(self, call: _Call, why: Exception) -> None:
         if call.attempts > self.retries:

@@ -50,7 +50,9 @@ class ComponentScore:
 class PendingScores:
     """Scores on their way: `result()` waits for the requests not back yet."""
 
-    def __init__(self, futures: list[tuple[int, Future]], num_items: int, owner: RewardModelComponent) -> None:  # fmt: skip
+    def __init__(
+        self, futures: list[tuple[int, Future]], num_items: int, owner: RewardModelComponent
+    ) -> None:
         self.futures, self.num_items, self.owner = futures, num_items, owner
 
     def result(self) -> list[ComponentScore]:
@@ -61,8 +63,10 @@ class PendingScores:
             except RewardModelError as exc:
                 out += [ComponentScore(0.0, failed=f"reward_model: {exc}")] * count
                 continue
-            self.owner.checkpoint = {"reward_model_dir": res.model_dir,
-                                     "reward_model_hash": res.model_hash}  # fmt: skip
+            self.owner.checkpoint = {
+                "reward_model_dir": res.model_dir,
+                "reward_model_hash": res.model_hash,
+            }
             out += [ComponentScore(float(s)) for s in res.scores]
         assert len(out) == self.num_items
         return out
@@ -96,12 +100,17 @@ class RewardModelComponent:
             futures.append((len(part), future))
         return PendingScores(futures, len(items), self)
 
-    def submit_tokens(self, prompt_ids: Sequence[Sequence[int]],
-                      completion_ids: Sequence[Sequence[int]],
-                      decode: Callable[[Sequence[int]], str]) -> PendingScores:  # fmt: skip
+    def submit_tokens(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        decode: Callable[[Sequence[int]], str],
+    ) -> PendingScores:
         """submit() for token ids of a group: `decode` is the policy tokenizer's (the reward
         model tokenizes the text with its own tokenizer)."""
-        items = [_Text(decode(p), decode(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)]  # fmt: skip
+        items = [
+            _Text(decode(p), decode(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)
+        ]
         return self.submit(items)
 
     def score(self, items: Sequence[ScoredText]) -> list[ComponentScore]:

@@ -52,8 +52,14 @@ def pick_device(device: str) -> torch.device:
 class RewardModel:
     """A loaded sequence-classification model with one output, ready to score batches."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "float32",
-                 max_length_tokens: int = 1024) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        max_length_tokens: int = 1024,
+    ) -> None:
         root = Path(model_dir).expanduser()
         if not (root / "config.json").is_file():
             raise ValueError(f"--model: {str(root)!r} is not a Hugging Face model directory")

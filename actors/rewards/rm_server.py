@@ -71,7 +71,9 @@ BURST = 256  # messages read per wake-up before replies and deadlines get their 
 class RewardServer:
     """One served reward model: a ROUTER, a bounded batching queue, a model thread."""
 
-    def __init__(self, cfg: RewardModelConfig, model: RewardModel, *, allow_insecure: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: RewardModelConfig, model: RewardModel, *, allow_insecure: bool = False
+    ) -> None:
         self.cfg, self.model = cfg, model
         self.ctx = zmq.Context()
         self.authenticator = (
@@ -80,16 +82,27 @@ class RewardServer:
         self.router, self.endpoint = bind_score_router(self.ctx, cfg, allow_insecure)
         self.wake_pull = self.ctx.socket(zmq.PULL)
         self.wake_pull.bind(f"inproc://rm-wake-{id(self)}")
-        self.queue = ScoreQueue(max_batch=cfg.max_batch, max_wait_s=cfg.max_wait_ms / 1000,
-                                max_samples=cfg.max_queue_samples)  # fmt: skip
+        self.queue = ScoreQueue(
+            max_batch=cfg.max_batch,
+            max_wait_s=cfg.max_wait_ms / 1000,
+            max_samples=cfg.max_queue_samples,
+        )
         self.failures: deque[tuple[PendingRequest, str, str]] = deque()  # from the model thread
         self.stopping = threading.Event()
         self.started_s = time.monotonic()
         self.stats: dict[str, Any] = {
-            "requests": 0, "samples_received": 0, "samples_scored": 0, "batches": 0,
-            "real_tokens": 0, "padded_tokens": 0, "largest_batch": 0, "compute_s": 0.0,
-            "replies_dropped": 0, "errors": {}, "batch_sizes": {},
-        }  # fmt: skip
+            "requests": 0,
+            "samples_received": 0,
+            "samples_scored": 0,
+            "batches": 0,
+            "real_tokens": 0,
+            "padded_tokens": 0,
+            "largest_batch": 0,
+            "compute_s": 0.0,
+            "replies_dropped": 0,
+            "errors": {},
+            "batch_sizes": {},
+        }
         self.log_times: dict[bytes, float] = {}
         self.model_thread = threading.Thread(target=self.model_loop, name="rm-model", daemon=True)
 
@@ -147,8 +160,13 @@ class RewardServer:
         elif isinstance(msg, StatsRequest):
             self.send(peer, Stats(stats=self.snapshot()))
         else:
-            self.refuse(peer, -1, "bad_request", "type",
-                        f"this server answers ScoreRequest and StatsRequest, not {msg.TYPE}")  # fmt: skip
+            self.refuse(
+                peer,
+                -1,
+                "bad_request",
+                "type",
+                f"this server answers ScoreRequest and StatsRequest, not {msg.TYPE}",
+            )
 
     def admit(self, peer: bytes, msg: ScoreRequest) -> None:
         problem = check_request(msg, self.cfg)
@@ -158,8 +176,13 @@ class RewardServer:
         tokens = self.model.tokenize(msg.prompts, msg.completions)
         empty = next((i for i, t in enumerate(tokens) if not t), -1)
         if empty >= 0:
-            self.refuse(peer, msg.request_id, "bad_request", f"prompts[{empty}]",
-                        "prompt and completion tokenize to nothing")  # fmt: skip
+            self.refuse(
+                peer,
+                msg.request_id,
+                "bad_request",
+                f"prompts[{empty}]",
+                "prompt and completion tokenize to nothing",
+            )
             return
         now = time.monotonic()
         timeout_s = msg.timeout_s or self.cfg.timeout_s
@@ -176,13 +199,25 @@ class RewardServer:
         for req in self.queue.finished():
             bad = np.flatnonzero(~np.isfinite(req.scores))
             if bad.size:
-                self.refuse(req.peer, req.request_id, "model_error", f"scores[{bad[0]}]",
-                            "the model gave a non-finite score")  # fmt: skip
+                self.refuse(
+                    req.peer,
+                    req.request_id,
+                    "model_error",
+                    f"scores[{bad[0]}]",
+                    "the model gave a non-finite score",
+                )
                 continue
-            self.send(req.peer, Scores(
-                request_id=req.request_id, scores=req.scores, model_dir=self.model.model_dir,
-                model_hash=self.model.model_hash, queue_s=req.queue_s, compute_s=req.compute_s,
-            ))  # fmt: skip
+            self.send(
+                req.peer,
+                Scores(
+                    request_id=req.request_id,
+                    scores=req.scores,
+                    model_dir=self.model.model_dir,
+                    model_hash=self.model.model_hash,
+                    queue_s=req.queue_s,
+                    compute_s=req.compute_s,
+                ),
+            )
         while self.failures:
             req, field, detail = self.failures.popleft()
             self.refuse(req.peer, req.request_id, "model_error", field, detail)
@@ -190,9 +225,14 @@ class RewardServer:
     def expire_late(self) -> None:
         for req in self.queue.expire(time.monotonic()):
             waited = time.monotonic() - req.arrival_s
-            self.refuse(req.peer, req.request_id, "timeout", "timeout_s",
-                        f"not scored within {req.deadline_s - req.arrival_s:.3f} s "
-                        f"(waited {waited:.3f} s in a queue of {self.queue.depth()})")  # fmt: skip
+            self.refuse(
+                req.peer,
+                req.request_id,
+                "timeout",
+                "timeout_s",
+                f"not scored within {req.deadline_s - req.arrival_s:.3f} s "
+                f"(waited {waited:.3f} s in a queue of {self.queue.depth()})",
+            )
 
     def refuse(self, peer: bytes, request_id: int, code: str, field: str, detail: str) -> None:
         errors = self.stats["errors"]
@@ -212,11 +252,15 @@ class RewardServer:
 
     def snapshot(self) -> dict[str, Any]:
         """The counters, plus gauges and the checkpoint served."""
-        return {**self.stats, "errors": dict(self.stats["errors"]),
-                "batch_sizes": dict(self.stats["batch_sizes"]),
-                "queue_depth": self.queue.depth(), "model_dir": self.model.model_dir,
-                "model_hash": self.model.model_hash,
-                "uptime_s": time.monotonic() - self.started_s}  # fmt: skip
+        return {
+            **self.stats,
+            "errors": dict(self.stats["errors"]),
+            "batch_sizes": dict(self.stats["batch_sizes"]),
+            "queue_depth": self.queue.depth(),
+            "model_dir": self.model.model_dir,
+            "model_hash": self.model.model_hash,
+            "uptime_s": time.monotonic() - self.started_s,
+        }
 
     # --- the model thread -----------------------------------------------------------------------
 
@@ -263,8 +307,10 @@ def check_request(msg: ScoreRequest, cfg: RewardModelConfig) -> tuple[str, str] 
     if len(msg.completions) != len(msg.prompts):
         return "completions", f"has {len(msg.completions)} items, prompts has {len(msg.prompts)}"
     if len(msg.prompts) > cfg.max_queue_samples:
-        return "prompts", (f"{len(msg.prompts)} samples can never fit the queue "
-                           f"(reward_model.max_queue_samples={cfg.max_queue_samples})")  # fmt: skip
+        return "prompts", (
+            f"{len(msg.prompts)} samples can never fit the queue "
+            f"(reward_model.max_queue_samples={cfg.max_queue_samples})"
+        )
     if msg.timeout_s < 0:
         return "timeout_s", f"must be >= 0, got {msg.timeout_s}"
     return None
@@ -280,16 +326,22 @@ def peek_request_id(frames: Sequence[Any]) -> int:
     return rid if type(rid) is int and -(2**63) <= rid < 2**63 else -1
 
 
-def bind_score_router(ctx: zmq.Context, cfg: RewardModelConfig, allow_insecure: bool) -> tuple[zmq.Socket, str]:  # fmt: skip
+def bind_score_router(
+    ctx: zmq.Context, cfg: RewardModelConfig, allow_insecure: bool
+) -> tuple[zmq.Socket, str]:
     """The server's ROUTER on cfg.bind (CURVE with cfg.auth_dir); refuses an open non-loopback
     bind without auth unless allow_insecure."""
     try:
         local = is_local_endpoint(cfg.bind)
     except ValueError:
-        raise ValueError(f"reward_model.bind / --bind: {cfg.bind!r} is not tcp://host:port or ipc://path") from None  # fmt: skip
+        raise ValueError(
+            f"reward_model.bind / --bind: {cfg.bind!r} is not tcp://host:port or ipc://path"
+        ) from None
     if not (local or cfg.auth_dir or allow_insecure):
-        raise ValueError(f"reward_model.bind / --bind: {cfg.bind!r} is not a loopback address; set "
-                         "reward_model.auth_dir (--auth DIR) or pass --allow-insecure")  # fmt: skip
+        raise ValueError(
+            f"reward_model.bind / --bind: {cfg.bind!r} is not a loopback address; set "
+            "reward_model.auth_dir (--auth DIR) or pass --allow-insecure"
+        )
     sockets = ReplayConfig(hwm=HWM, max_message_bytes=MAX_MESSAGE_BYTES, auth_dir=cfg.auth_dir)
     try:
         return bind_router(ctx, cfg.bind, sockets, allow_insecure=True)
@@ -320,33 +372,44 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--stats-file", default=None, help="write the counters here at exit (JSON)")
     p.add_argument("--allow-insecure", action="store_true", help="non-loopback bind without auth")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(list(argv))  # fmt: skip
+    return p.parse_args(list(argv))
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    flags = {"model": args.model, "bind": args.bind, "auth_dir": args.auth,
-             "device": args.device, "dtype": args.dtype}  # fmt: skip
+    flags = {
+        "model": args.model,
+        "bind": args.bind,
+        "auth_dir": args.auth,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
     return list(args.set) + [f"reward_model.{k}={json.dumps(v)}" for k, v in flags.items() if v]
 
 
 def main(argv: Sequence[str]) -> int:
     """`asyncrl reward-server`: load the model, bind, serve until SIGTERM."""
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:  # a bad flag, key or model directory: its message, no traceback
         cfg = load_config(args.config, _overrides(args)).reward_model
         if not cfg.model:
             raise ValueError("give --model DIR or set reward_model.model")
-        model = RewardModel(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                            max_length_tokens=cfg.max_length_tokens)  # fmt: skip
+        model = RewardModel(
+            cfg.model, device=cfg.device, dtype=cfg.dtype, max_length_tokens=cfg.max_length_tokens
+        )
         server = RewardServer(cfg, model, allow_insecure=args.allow_insecure)
     except ValueError as exc:
         print(f"asyncrl reward-server: {exc}", file=sys.stderr)
         return 2
     if args.endpoint_file:
         replace_text(Path(args.endpoint_file), server.endpoint + "\n")
-    print(f"asyncrl reward-server: serving {model.model_dir} ({model.model_hash}) on "
-          f"{server.endpoint}, device {model.device}", flush=True)  # fmt: skip
+    print(
+        f"asyncrl reward-server: serving {model.model_dir} ({model.model_hash}) on "
+        f"{server.endpoint}, device {model.device}",
+        flush=True,
+    )
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve_forever()

@@ -96,12 +96,18 @@ def make_data(settings: FitSettings, num: int, seed: int) -> tuple[list[str], np
 def new_model(settings: FitSettings) -> LlamaForSequenceClassification:
     ids = vocab()
     config = LlamaConfig(
-        vocab_size=len(ids), hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size, num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
-        max_position_embeddings=MAX_POSITIONS, num_labels=1, bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS], pad_token_id=ids[PAD],
-    )  # fmt: skip
+        vocab_size=len(ids),
+        hidden_size=settings.hidden_size,
+        intermediate_size=2 * settings.hidden_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        num_key_value_heads=settings.num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        num_labels=1,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+    )
     return LlamaForSequenceClassification(config)
 
 

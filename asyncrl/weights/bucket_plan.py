@@ -35,16 +35,35 @@ ParamSpec = tuple[str, tuple[int, ...], str]
 """(name, shape, dtype) where dtype is a torch dtype name without the `torch.` prefix."""
 
 DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 """Bytes per element of every dtype a plan may hold."""
 
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 """safetensors header dtype codes -> plan dtype names."""
 
 
@@ -100,9 +119,11 @@ class BucketPlan:
         """sha256 (hex) of the canonical layout: bucket_bytes, dtypes, names, shapes, offsets."""
         layout = [
             self.bucket_bytes,
-            [[b.dtype, b.numel, [[e.name, list(e.shape), e.offset] for e in b.entries]]
-             for b in self.buckets],
-        ]  # fmt: skip
+            [
+                [b.dtype, b.numel, [[e.name, list(e.shape), e.offset] for e in b.entries]]
+                for b in self.buckets
+            ],
+        ]
         blob = json.dumps(layout, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 

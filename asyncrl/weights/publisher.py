@@ -283,13 +283,24 @@ class WeightPublisher:
             log.warning("weights: publishing policy_version %d failed: %s", job.policy_version, exc)
             self._drop_group()
             return PublishResult(
-                job.policy_version, False, self._epoch, len(job.members),
-                snapshot_s=job.snapshot_s, form_s=form_s, error=f"{type(exc).__name__}: {exc}",
-            )  # fmt: skip
+                job.policy_version,
+                False,
+                self._epoch,
+                len(job.members),
+                snapshot_s=job.snapshot_s,
+                form_s=form_s,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         return PublishResult(
-            job.policy_version, True, self._epoch, len(job.members), num_bytes,
-            job.snapshot_s, form_s, seconds,
-        )  # fmt: skip
+            job.policy_version,
+            True,
+            self._epoch,
+            len(job.members),
+            num_bytes,
+            job.snapshot_s,
+            form_s,
+            seconds,
+        )
 
     def _next_epoch(self, members: tuple[str, ...]) -> None:
         self._drop_group()
@@ -311,9 +322,14 @@ class WeightPublisher:
 
     def _form(self, unique_id: bytes | None) -> BroadcastGroup:
         return open_group(
-            self.backend, self._store, epoch=self._epoch, rank=0,
-            world_size=len(self._members) + 1, timeout_s=self.timeout_s, unique_id=unique_id,
-        )  # fmt: skip
+            self.backend,
+            self._store,
+            epoch=self._epoch,
+            rank=0,
+            world_size=len(self._members) + 1,
+            timeout_s=self.timeout_s,
+            unique_id=unique_id,
+        )
 
     def _drop_group(self) -> None:
         if self._group is not None:
@@ -324,9 +340,11 @@ class WeightPublisher:
         s = self._stats
         if result.ok:
             self._stats = replace(
-                s, num_published=s.num_published + 1, bytes_sent=s.bytes_sent + result.num_bytes,
+                s,
+                num_published=s.num_published + 1,
+                bytes_sent=s.bytes_sent + result.num_bytes,
                 broadcast_s=s.broadcast_s + result.broadcast_s,
-            )  # fmt: skip
+            )
         else:
             self._stats = replace(s, num_failed=s.num_failed + 1)
         self._last = result

@@ -51,9 +51,16 @@ from asyncrl.weights.gloo_backend import (
 log = logging.getLogger(__name__)
 
 ANNOUNCEMENT_KEYS = (
-    "policy_version", "plan_hash", "backend", "epoch", "store_host", "store_port",
-    "world_size", "ranks", "nccl_unique_id",
-)  # fmt: skip
+    "policy_version",
+    "plan_hash",
+    "backend",
+    "epoch",
+    "store_host",
+    "store_port",
+    "world_size",
+    "ranks",
+    "nccl_unique_id",
+)
 """Fields of a weights announcement (see `WeightPublisher`)."""
 
 
@@ -244,8 +251,10 @@ class WeightReceiver:
             expected = isinstance(exc, BroadcastError | RuntimeError)
             (log.warning if expected else log.exception)(
                 "weights: %s: receiving policy_version %d failed: %s",
-                self.actor_id, ann["policy_version"], exc,
-            )  # fmt: skip
+                self.actor_id,
+                ann["policy_version"],
+                exc,
+            )
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._drop_group()  # the buffers may still be written by a parked operation: drop them
             with self._cond:
@@ -264,11 +273,14 @@ class WeightReceiver:
     def _join(self, ann: Mapping[str, Any]) -> None:
         self._drop_group()
         self._group = open_group(
-            self.backend, self._store(ann["store_host"], int(ann["store_port"])),
-            epoch=int(ann["epoch"]), rank=int(ann["ranks"][self.actor_id]),
-            world_size=int(ann["world_size"]), timeout_s=self.timeout_s,
+            self.backend,
+            self._store(ann["store_host"], int(ann["store_port"])),
+            epoch=int(ann["epoch"]),
+            rank=int(ann["ranks"][self.actor_id]),
+            world_size=int(ann["world_size"]),
+            timeout_s=self.timeout_s,
             unique_id=ann["nccl_unique_id"],
-        )  # fmt: skip
+        )
         self._group_key = _group_key(ann)
 
     def _store(self, host: str, port: int) -> TCPStore:

@@ -124,8 +124,11 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("rel_err_samples_per_s", "abs_err_learner_wait_fraction",
-                    "abs_err_actor_wait_fraction"):  # fmt: skip
+        for key in (
+            "rel_err_samples_per_s",
+            "abs_err_learner_wait_fraction",
+            "abs_err_actor_wait_fraction",
+        ):
             errs = [abs(p[key]) for p in self.points]
             out[f"max_abs_{key}"] = max(errs) if errs else None
             own = [abs(p["own_times"][key]) for p in self.points]
@@ -194,8 +197,14 @@ def fit_learner(points: Sequence[Point]) -> tuple[float, float, list[float]]:
     return float(x[0]), float(x[1]), [float(e) for e in errs]
 
 
-def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_steps: int = 10,
-                   own_times: bool = False, spread: bool = True) -> SimConfig:  # fmt: skip
+def sim_config_for(
+    point: Point,
+    cal: Calibration,
+    num_steps: int = 60,
+    warmup_steps: int = 10,
+    own_times: bool = False,
+    spread: bool = True,
+) -> SimConfig:
     """The simulated counterpart of a measured point under a calibration (or, with
     `own_times`, under the point's own measured generation, step and sync times). With
     `spread`, batch and step times vary as the point's measured ones did (their quantiles)."""
@@ -235,8 +244,14 @@ def sim_config_for(point: Point, cal: Calibration, num_steps: int = 60, warmup_s
     )
 
 
-def fit_latency(points: Sequence[Point], cal: Calibration, num_steps: int, warmup_steps: int,
-                spread: bool, delta_s: float = 1e-3) -> tuple[float, dict[str, Any]]:  # fmt: skip
+def fit_latency(
+    points: Sequence[Point],
+    cal: Calibration,
+    num_steps: int,
+    warmup_steps: int,
+    spread: bool,
+    delta_s: float = 1e-3,
+) -> tuple[float, dict[str, Any]]:
     """The message latency that closes the η = 0 points' period gap (see the module docstring)."""
     estimates, hops = [], []
     for p in points:
@@ -256,8 +271,9 @@ def fit_latency(points: Sequence[Point], cal: Calibration, num_steps: int, warmu
     return latency, {"status": "ok", "per_point_s": estimates, "hops_per_step": hops}
 
 
-def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10,
-              spread: bool = True) -> Calibration:  # fmt: skip
+def calibrate(
+    points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 10, spread: bool = True
+) -> Calibration:
     """Fit the time models, then simulate every point and compare (`spread`: see
     `sim_config_for`)."""
     gen, gen_errs = fit_generation(points)
@@ -273,10 +289,16 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
     sync_s = float(np.mean([p.sync_s for p in points]))
     pauses = [p.inflight_pause_s for p in points if p.inflight_updates > 0]
     cal = Calibration(
-        generation=gen, learner=learner, sync_s=sync_s, message_latency_s=0.0,
-        inflight_pause_s=float(np.mean(pauses)) if pauses else 0.0, latency_fit={},
-        generation_fit_rel_err=gen_errs, step_fit_rel_err=step_errs, points=[],
-    )  # fmt: skip
+        generation=gen,
+        learner=learner,
+        sync_s=sync_s,
+        message_latency_s=0.0,
+        inflight_pause_s=float(np.mean(pauses)) if pauses else 0.0,
+        latency_fit={},
+        generation_fit_rel_err=gen_errs,
+        step_fit_rel_err=step_errs,
+        points=[],
+    )
     latency, how = fit_latency(points, cal, num_steps, warmup_steps, spread)
     cal = dataclasses.replace(cal, message_latency_s=latency, latency_fit=how)
     bare = dataclasses.replace(cal, message_latency_s=0.0)
@@ -296,7 +318,7 @@ def calibrate(points: Sequence[Point], num_steps: int = 60, warmup_steps: int = 
                 "own_times_rel_err_samples_per_s_with": {
                     k: r.samples_per_s / p.samples_per_s - 1 for k, r in ablation.items()
                 }
-            }  # fmt: skip
+            }
         )
     return cal
 

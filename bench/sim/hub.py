@@ -133,8 +133,13 @@ class SimHub:
         """New credits per actor, as `Hub.grant_credits` issues them."""
 
         def room(policy_version: int) -> int:
-            return admission.room(self.buffer, self.in_flight, self.max_staleness,
-                                  self.groups_per_step, policy_version)  # fmt: skip
+            return admission.room(
+                self.buffer,
+                self.in_flight,
+                self.max_staleness,
+                self.groups_per_step,
+                policy_version,
+            )
 
         granted: dict[str, list[Credit]] = {}
         for actor_id, n in self.free.grant(room).items():
@@ -167,8 +172,14 @@ class SimHub:
             self.prompts.reissue(group.prompt_id)
         self.num_dropped_stale += len(groups)
 
-    def make_group(self, actor_id: str, seq: int, credit: Credit, policy_version: int,
-                   max_version: int | None = None) -> Group:  # fmt: skip
+    def make_group(
+        self,
+        actor_id: str,
+        seq: int,
+        credit: Credit,
+        policy_version: int,
+        max_version: int | None = None,
+    ) -> Group:
         """A real Group for this credit, every sample's tokens made by `policy_version` (the
         oldest, which staleness counts from) up to `max_version` (default: the same)."""
         versions = (policy_version, policy_version if max_version is None else max_version)
@@ -177,8 +188,13 @@ class SimHub:
             template = self._template(*versions)
             fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(Group)}
             self._templates[versions] = fields
-        identity = {"group_id": f"{actor_id}/{seq}", "prompt_id": credit.prompt_id,
-                    "credit_id": credit.credit_id, "actor_id": actor_id, "seq": seq}  # fmt: skip
+        identity = {
+            "group_id": f"{actor_id}/{seq}",
+            "prompt_id": credit.prompt_id,
+            "credit_id": credit.credit_id,
+            "actor_id": actor_id,
+            "seq": seq,
+        }
         return Group(**(fields | identity))
 
     def _template(self, policy_version: int, max_version: int) -> Group:

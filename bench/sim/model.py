@@ -234,8 +234,11 @@ class Simulation:
         prompt_tokens = self.cfg.lengths.prompt_tokens * size
         groups = []
         for i, credit in enumerate(credits):
-            groups.append(self.hub.make_group(actor.actor_id, actor.seq, credit,
-                                              actor.batch_version, actor.version))  # fmt: skip
+            groups.append(
+                self.hub.make_group(
+                    actor.actor_id, actor.seq, credit, actor.batch_version, actor.version
+                )
+            )
             tokens = sum(lengths[i * size : (i + 1) * size]) + prompt_tokens
             self.group_tokens[(actor.actor_id, actor.seq)] = tokens
             actor.seq += 1

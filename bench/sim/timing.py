@@ -74,7 +74,9 @@ def check_spread(spread: Sequence[float], name: str) -> None:
         return
     q = np.asarray(spread, dtype=np.float64)
     if q.size < 2 or q[0] < 0 or np.any(np.diff(q) < 0) or not np.all(np.isfinite(q)):
-        raise ValueError(f"{name}: need >= 2 ascending, finite quantiles >= 0, got {list(spread)[:5]}...")  # fmt: skip
+        raise ValueError(
+            f"{name}: need >= 2 ascending, finite quantiles >= 0, got {list(spread)[:5]}..."
+        )
     if quantile_mean(q) <= 0:
         raise ValueError(f"{name}: all quantiles are 0")
 
@@ -88,7 +90,9 @@ def quantile_mean(quantiles: Sequence[float]) -> float:
 class Spread:
     """Factors with mean 1 drawn from `spread` quantiles (inverse CDF, linear in between)."""
 
-    def __init__(self, spread: Sequence[float], rng: np.random.Generator, chunk: int = 1 << 14) -> None:  # fmt: skip
+    def __init__(
+        self, spread: Sequence[float], rng: np.random.Generator, chunk: int = 1 << 14
+    ) -> None:
         self.q = np.asarray(spread, dtype=np.float64)
         self.q = self.q / quantile_mean(self.q) if self.q.size else self.q
         self.rng, self.chunk = rng, chunk

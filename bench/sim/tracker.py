@@ -70,8 +70,16 @@ class Tracker:
         if self.open:
             self.sync_latencies.append(latency_s)
 
-    def step(self, step_index: int, warmup_steps: int, wait_s: float, seconds: float,
-             tokens: int, staleness: list[int], mixed: int = 0) -> None:  # fmt: skip
+    def step(
+        self,
+        step_index: int,
+        warmup_steps: int,
+        wait_s: float,
+        seconds: float,
+        tokens: int,
+        staleness: list[int],
+        mixed: int = 0,
+    ) -> None:
         """A batch arrived for step `step_index` (1-based)."""
         if step_index <= warmup_steps:
             return

@@ -39,13 +39,19 @@ ACTOR_ID = "actor-under-test"
 
 def write_config(tmp: Path, model_dir: Path, engine: str) -> tuple[RunConfig, Path]:
     overrides = [
-        f"model.path={json.dumps(str(model_dir))}", f"actor.engine={engine}",
-        "actor.group_size=4", "actor.concurrency=2", "actor.max_new_tokens=8",
-        "actor.vllm_kv_cache_gib=0.25", "learner.groups_per_step=2",
-        "replay.max_staleness=1000", "replay.capacity_groups=12",
-        "replay.heartbeat_interval_s=0.2", "task.num_prompts=400",
+        f"model.path={json.dumps(str(model_dir))}",
+        f"actor.engine={engine}",
+        "actor.group_size=4",
+        "actor.concurrency=2",
+        "actor.max_new_tokens=8",
+        "actor.vllm_kv_cache_gib=0.25",
+        "learner.groups_per_step=2",
+        "replay.max_staleness=1000",
+        "replay.capacity_groups=12",
+        "replay.heartbeat_interval_s=0.2",
+        "task.num_prompts=400",
         f"weights.bucket_bytes={64 * 1024}",
-    ]  # fmt: skip
+    ]
     cfg = load_config(None, overrides)
     path = tmp / "config.toml"
     path.write_text(to_toml(cfg))
@@ -55,8 +61,13 @@ def write_config(tmp: Path, model_dir: Path, engine: str) -> tuple[RunConfig, Pa
 def python_m(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "asyncrl", *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "asyncrl", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def end(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, dump: bool = False) -> int:
@@ -79,9 +90,22 @@ def start_hub(
     tmp: Path, config: Path, dataset: Path, bind: str
 ) -> tuple[subprocess.Popen[bytes], str]:
     endpoint_file = tmp / f"hub-{time.monotonic_ns()}.endpoint"
-    proc = python_m(["replay", "--config", str(config), "--dataset", str(dataset), "--bind", bind,
-                     "--endpoint-file", str(endpoint_file), "--log-level", "WARNING"],
-                    tmp / "hub.log")  # fmt: skip
+    proc = python_m(
+        [
+            "replay",
+            "--config",
+            str(config),
+            "--dataset",
+            str(dataset),
+            "--bind",
+            bind,
+            "--endpoint-file",
+            str(endpoint_file),
+            "--log-level",
+            "WARNING",
+        ],
+        tmp / "hub.log",
+    )
     deadline = time.monotonic() + WAIT_S
     while not endpoint_file.exists():
         assert proc.poll() is None, (tmp / "hub.log").read_text()
@@ -91,18 +115,30 @@ def start_hub(
 
 
 @contextlib.contextmanager
-def actor_on_hub(tmp: Path, cfg: RunConfig, config: Path, model_dir: Path,
-                 make_env: Callable[[], Any]) -> Iterator[tuple[Actor, str, Path]]:  # fmt: skip
+def actor_on_hub(
+    tmp: Path, cfg: RunConfig, config: Path, model_dir: Path, make_env: Callable[[], Any]
+) -> Iterator[tuple[Actor, str, Path]]:
     """A hub on `config` with a fresh sort dataset and an `Actor` (TorchEngine, `make_env`)
     connected to it as ACTOR_ID: (actor, hub endpoint, dataset). Both end on exit."""
     dataset = write_dataset(tmp / "prompts.jsonl", cfg.task)
     hub, endpoint = start_hub(tmp, config, dataset, "tcp://127.0.0.1:0")
-    conn = HubConnection(endpoint, role="actor", client_id=ACTOR_ID, config_hash=cfg.config_hash(),
-                         concurrency=cfg.actor.num_window_credits)  # fmt: skip
+    conn = HubConnection(
+        endpoint,
+        role="actor",
+        client_id=ACTOR_ID,
+        config_hash=cfg.config_hash(),
+        concurrency=cfg.actor.num_window_credits,
+    )
     try:
         conn.start(timeout_s=WAIT_S)
-        actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(model_dir),
-                      tokenizer=AutoTokenizer.from_pretrained(model_dir), make_env=make_env)  # fmt: skip
+        actor = Actor(
+            cfg,
+            actor_id=ACTOR_ID,
+            conn=conn,
+            engine=TorchEngine(model_dir),
+            tokenizer=AutoTokenizer.from_pretrained(model_dir),
+            make_env=make_env,
+        )
         yield actor, endpoint, dataset
     finally:
         conn.close()
@@ -113,8 +149,13 @@ class Learner:
     """This process's side: batches, versions, stats, weight announcements."""
 
     def __init__(self, endpoint: str, cfg: RunConfig) -> None:
-        self.conn = HubConnection(endpoint, role="learner", client_id="test-learner",
-                                  config_hash=cfg.config_hash(), heartbeat_interval_s=0.2)  # fmt: skip
+        self.conn = HubConnection(
+            endpoint,
+            role="learner",
+            client_id="test-learner",
+            config_hash=cfg.config_hash(),
+            heartbeat_interval_s=0.2,
+        )
         self.conn.start(timeout_s=WAIT_S)
         self.request_id = 0
         self.policy_version = 0
@@ -131,8 +172,13 @@ class Learner:
 
     def groups(self, num_groups: int = 2) -> list[Group]:
         self.request_id += 1
-        self.conn.send(SampleRequest(request_id=self.request_id, num_groups=num_groups,
-                                     policy_version=self.policy_version))  # fmt: skip
+        self.conn.send(
+            SampleRequest(
+                request_id=self.request_id,
+                num_groups=num_groups,
+                policy_version=self.policy_version,
+            )
+        )
         return list(self.reply(Batch).groups)
 
     def stats(self) -> dict[str, Any]:
@@ -140,6 +186,10 @@ class Learner:
         return self.reply(Stats).stats
 
     def announce(self, announcement: dict[str, Any]) -> None:
-        self.conn.send(WeightsAnnounce(policy_version=int(announcement["policy_version"]),
-                                       plan_hash=str(announcement["plan_hash"]),
-                                       announcement=announcement))  # fmt: skip
+        self.conn.send(
+            WeightsAnnounce(
+                policy_version=int(announcement["policy_version"]),
+                plan_hash=str(announcement["plan_hash"]),
+                announcement=announcement,
+            )
+        )

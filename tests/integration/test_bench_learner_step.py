@@ -13,10 +13,19 @@ REPO = Path(__file__).resolve().parents[2]
 def test_learner_step_bench_writes_both_ways(tmp_path: Path) -> None:
     out = tmp_path / "learner_step.json"
     cmd = [
-        sys.executable, str(REPO / "bench" / "learner_step.py"), "--prompt-lens", "6,20",
-        "--steps", "2", "--repeats", "1", "--out", str(out),
-        "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "bench" / "learner_step.py"),
+        "--prompt-lens",
+        "6,20",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -28,8 +37,14 @@ def test_learner_step_bench_writes_both_ways(tmp_path: Path) -> None:
 
 
 def test_learner_step_bench_refuses_prompts_past_the_model(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(REPO / "bench" / "learner_step.py"), "--prompt-lens", "200",
-           "--out", str(tmp_path / "x.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "learner_step.py"),
+        "--prompt-lens",
+        "200",
+        "--out",
+        str(tmp_path / "x.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--prompt-lens" in proc.stderr

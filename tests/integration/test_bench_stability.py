@@ -16,16 +16,30 @@ REPO = Path(__file__).resolve().parents[2]
 def test_fixed_step_sweep_writes_wellformed_results(tmp_path: Path) -> None:
     out = tmp_path / "stability.json"
     cmd = [
-        sys.executable, str(REPO / "bench" / "stability.py"), "--etas", "0,2",
-        "--losses", "ppo,stale_clip", "--seeds", "1", "--steps", "12", "--out", str(out),
-        "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "bench" / "stability.py"),
+        "--etas",
+        "0,2",
+        "--losses",
+        "ppo,stale_clip",
+        "--seeds",
+        "1",
+        "--steps",
+        "12",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [(p["loss"], p["max_staleness"]) for p in data["points"]] == [
-        ("ppo", 0), ("stale_clip", 0), ("ppo", 2), ("stale_clip", 2),
-    ]  # fmt: skip
+        ("ppo", 0),
+        ("stale_clip", 0),
+        ("ppo", 2),
+        ("stale_clip", 2),
+    ]
     for point in data["points"]:
         assert point["steps"] == 12 and len(point["curve"]) == 12
         assert 0.0 <= point["final_reward"] <= 1.0

@@ -16,10 +16,19 @@ REPO = Path(__file__).resolve().parents[2]
 def test_sweep_writes_wellformed_results(tmp_path: Path) -> None:
     out = tmp_path / "staleness.json"
     cmd = [
-        sys.executable, str(REPO / "bench" / "staleness.py"), "--etas", "0,4", "--losses", "decoupled_ppo",
-        "--budget-s", "45", "--out", str(out),
-        "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "bench" / "staleness.py"),
+        "--etas",
+        "0,4",
+        "--losses",
+        "decoupled_ppo",
+        "--budget-s",
+        "45",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[1/2] loss=decoupled_ppo η=0" in proc.stdout

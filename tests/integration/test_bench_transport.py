@@ -37,9 +37,24 @@ def takes_o_direct(directory: Path) -> bool:
 
 def test_a_volatile_and_durable_run_reports_their_ratio(tmp_path: Path) -> None:
     out = tmp_path / "transport.json"
-    cmd = [sys.executable, str(REPO / "bench" / "transport.py"), "--reps", "1", "--sizes",
-           "262144", "--variants", "hub,hub_durable", "--bytes-per-rep", str(4 << 20),
-           "--min-groups", "32", "--learner-in-flight", "2", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "transport.py"),
+        "--reps",
+        "1",
+        "--sizes",
+        "262144",
+        "--variants",
+        "hub,hub_durable",
+        "--bytes-per-rep",
+        str(4 << 20),
+        "--min-groups",
+        "32",
+        "--learner-in-flight",
+        "2",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the hubs' state directories
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

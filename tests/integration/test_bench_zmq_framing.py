@@ -24,8 +24,18 @@ def test_every_layout_carries_the_same_bytes() -> None:
 
 def test_the_benchmark_writes_wellformed_results(tmp_path: Path) -> None:
     out = tmp_path / "zmq_framing.json"
-    cmd = [sys.executable, str(REPO / "bench" / "zmq_framing.py"), "--reps", "1", "--sizes",
-           "32768", "--bytes-per-rep", str(4 << 20), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "zmq_framing.py"),
+        "--reps",
+        "1",
+        "--sizes",
+        "32768",
+        "--bytes-per-rep",
+        str(4 << 20),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -17,16 +17,39 @@ REPO = Path(__file__).resolve().parents[2]
 
 def bench(script: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 @pytest.mark.slow
 def test_chaos_short(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = bench("chaos.py", "--duration-s", "100", "--interval-s", "8", "--min-steps", "2",
-                 "--quiet-s", "10", "--seed", "3", "--run-dir", str(tmp_path),
-                 "--model-cache", str(tmp_path / "models"), "--out", str(out), timeout_s=600)  # fmt: skip
+    proc = bench(
+        "chaos.py",
+        "--duration-s",
+        "100",
+        "--interval-s",
+        "8",
+        "--min-steps",
+        "2",
+        "--quiet-s",
+        "10",
+        "--seed",
+        "3",
+        "--run-dir",
+        str(tmp_path),
+        "--model-cache",
+        str(tmp_path / "models"),
+        "--out",
+        str(out),
+        timeout_s=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["lost"] == 0 and result["duplicated"] == 0
@@ -39,8 +62,20 @@ def test_chaos_short(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_soak_short(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    proc = bench("soak.py", "--duration-s", "20", "--actors", "2", "--capacity", "64",
-                 "--durability", "durable", "--out", str(out), timeout_s=300)  # fmt: skip
+    proc = bench(
+        "soak.py",
+        "--duration-s",
+        "20",
+        "--actors",
+        "2",
+        "--capacity",
+        "64",
+        "--durability",
+        "durable",
+        "--out",
+        str(out),
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["unaccounted"] == 0 and result["unacked_at_end"] == 0 and result["bounded"]

@@ -135,9 +135,12 @@ def check_turns(ep: Episode, calls: list[tuple[GenerationRequest, list[Sample]]]
     for start, chunk, lps in model_spans:
         context = tokens[:start].tolist()
         found = [
-            s for req, samples in calls if list(req.prompt_tokens) == context for s in samples
+            s
+            for req, samples in calls
+            if list(req.prompt_tokens) == context
+            for s in samples
             if np.array_equal(s.completion_tokens, chunk)
-        ]  # fmt: skip
+        ]
         assert found, "a model turn whose context/tokens the engine never saw"
         np.testing.assert_array_equal(found[0].logprobs, lps)
         assert mask[start - plen : start - plen + len(chunk)].all()
@@ -171,9 +174,14 @@ def test_trajectories_are_the_engines_tokens_under_chat_templates(
             check_turns(ep, recording.calls)
             obs_tokens = [c for c, lps in ep.chunks if lps is None]
             delta = tok.apply_chat_template(
-                [{"role": "user", "content": "7"}, {"role": "assistant", "content": "7"},
-                 {"role": "tool", "content": "42"}], add_generation_prompt=True, tokenize=False,
-            )  # fmt: skip
+                [
+                    {"role": "user", "content": "7"},
+                    {"role": "assistant", "content": "7"},
+                    {"role": "tool", "content": "42"},
+                ],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             tail = tok(delta.split(tok.eos_token, 2)[-1], add_special_tokens=False)["input_ids"]
             for chunk in obs_tokens:  # (after a cut turn, the closing eos comes first)
                 assert chunk.tolist()[-len(tail) :] == tail
@@ -194,18 +202,30 @@ def test_past_reasoning_stays_in_the_trajectory_where_a_re_render_would_drop_it(
     runner = EpisodeRunner(engine, tok, Chat, EpisodeLimits(max_turns=3, max_new_tokens=4))
     group = runner.start(0, chat_row(0), seed=1, n=1)
     ep = group.episodes[0]
-    ep.chunks.append((np.asarray(tok("5X6", add_special_tokens=False)["input_ids"] +
-                                 [tok.eos_token_id], np.int32), np.zeros(4, np.float32)))  # fmt: skip
+    ep.chunks.append(
+        (
+            np.asarray(
+                tok("5X6", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], np.int32
+            ),
+            np.zeros(4, np.float32),
+        )
+    )
     ep.versions.append(np.zeros(4, np.int32))
     ep.num_turns = 1
-    runner.on_step(ep, Step(observation=Observation(
-        messages=({"role": "tool", "content": "42"},))), 0.0)  # fmt: skip
+    runner.on_step(
+        ep, Step(observation=Observation(messages=({"role": "tool", "content": "42"},))), 0.0
+    )
     text = tok.decode(ep.trajectory()[0])
     assert "5X6" in text  # what the model produced, as it produced it
     rerender = tok.apply_chat_template(
-        [*chat_row(0).messages, {"role": "assistant", "content": "5X6"},  # type: ignore[misc]
-         {"role": "tool", "content": "42"}], add_generation_prompt=True, tokenize=False,
-    )  # fmt: skip
+        [
+            *chat_row(0).messages,
+            {"role": "assistant", "content": "5X6"},  # type: ignore[misc]
+            {"role": "tool", "content": "42"},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert "5X6" not in rerender and text == rerender.replace("<A>6", "<A>5X6")
     runner.close()
 
@@ -267,8 +287,9 @@ class Forever:
         (EpisodeLimits(max_turns=2), lambda: Forever(raise_on_step=True), "error"),
     ],
 )
-def test_finish_reasons(engine: TorchEngine, model_dir: Path, limits: EpisodeLimits,
-                        env: type, reason: str) -> None:  # fmt: skip
+def test_finish_reasons(
+    engine: TorchEngine, model_dir: Path, limits: EpisodeLimits, env: type, reason: str
+) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     runner = EpisodeRunner(engine, tok, env, limits, workers=0)
     runner.start(0, Row(prompt_id="p", prompt="31:"), seed=3, n=2)

@@ -134,12 +134,20 @@ time.sleep(3600)
 
 
 def test_dead_actor_credits_are_reissued(tmp_path: Path, hubs: list) -> None:
-    overrides = ["learner.groups_per_step=4", "replay.max_staleness=0",
-                 "replay.heartbeat_interval_s=0.2", "replay.heartbeat_timeout_s=3.0"]  # fmt: skip
+    overrides = [
+        "learner.groups_per_step=4",
+        "replay.max_staleness=0",
+        "replay.heartbeat_interval_s=0.2",
+        "replay.heartbeat_timeout_s=3.0",
+    ]
     hub = HubProcess(tmp_path, overrides)
     hubs.append(hub)
-    doomed = subprocess.Popen([sys.executable, "-c", DEAD_ACTOR, hub.endpoint, hub.config_hash],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", DEAD_ACTOR, hub.endpoint, hub.config_hash],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         taken = doomed.stdout.readline().split()
         assert len(taken) == 4  # the whole η = 0 window
@@ -197,8 +205,12 @@ def test_client_keeps_working_across_a_hub_restart(tmp_path: Path, hubs: list) -
 def test_curve_auth_admits_only_allowed_keys(tmp_path: Path, hubs: list) -> None:
     keys, strangers = tmp_path / "keys", tmp_path / "strangers"
     for directory in (keys, strangers):
-        subprocess.run([sys.executable, "-m", "asyncrl", "keygen", str(directory), "--clients", "2"],
-                       cwd=REPO, check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "asyncrl", "keygen", str(directory), "--clients", "2"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
     impostor = tmp_path / "impostor"  # knows the hub's public key, holds a key not on the list
     (impostor / "clients").mkdir(parents=True)
     (impostor / "server.key").write_bytes((keys / "server.key").read_bytes())
@@ -293,7 +305,9 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
     from replay.server import Hub
 
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99)))  # fmt: skip
+    dataset.write_text(
+        "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99))
+    )
     cfg = load_config(None, ["learner.groups_per_step=8", "replay.max_staleness=1000"])
     hub = Hub(cfg, dataset, bind="tcp://127.0.0.1:0")
     ctx = zmq.Context()
@@ -302,8 +316,17 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
         for role, concurrency in (("learner", 0), ("actor", 64)):
             sock = peers[role] = ctx.socket(zmq.DEALER)
             sock.connect(hub.endpoint)
-            sock.send_multipart(encode(Hello(role=role, client_id=role, protocol_version=PROTOCOL_VERSION,
-                                             config_hash=hub.config_hash, concurrency=concurrency)))  # fmt: skip
+            sock.send_multipart(
+                encode(
+                    Hello(
+                        role=role,
+                        client_id=role,
+                        protocol_version=PROTOCOL_VERSION,
+                        config_hash=hub.config_hash,
+                        concurrency=concurrency,
+                    )
+                )
+            )
         items: list = []
         deadline = time.monotonic() + WAIT_S
         while len(items) < 64:  # the actor's Welcome and credits
@@ -314,7 +337,9 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
                 items += [] if isinstance(msg, Welcome) else msg.items
         assert peers["learner"].poll(int(WAIT_S * 1000))
         assert isinstance(decode(peers["learner"].recv_multipart()), Welcome)
-        peers["learner"].send_multipart(encode(SampleRequest(request_id=1, policy_version=0, num_groups=8)))  # fmt: skip
+        peers["learner"].send_multipart(
+            encode(SampleRequest(request_id=1, policy_version=0, num_groups=8))
+        )
         while not hub.parked:  # the request waits at the hub before any group comes
             hub.turn()
         for seq, item in enumerate(items):  # one burst of 64 groups
@@ -348,7 +373,9 @@ def test_credits_are_topped_up_a_quarter_window_at_a_time(tmp_path: Path) -> Non
 
     assert [refill_at(w) for w in (1, 3, 4, 16, 512)] == [1, 1, 1, 4, 128]
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99)))  # fmt: skip
+    dataset.write_text(
+        "".join(json.dumps({"prompt_id": f"p{i}", "prompt": "x"}) + "\n" for i in range(99))
+    )
     cfg = load_config(None, ["learner.groups_per_step=8", "replay.max_staleness=1000"])
     hub = Hub(cfg, dataset, bind="tcp://127.0.0.1:0")
     ctx = zmq.Context()
@@ -357,8 +384,17 @@ def test_credits_are_topped_up_a_quarter_window_at_a_time(tmp_path: Path) -> Non
         for name, window in (("wide", 16), ("narrow", 3)):
             sock = ctx.socket(zmq.DEALER)
             sock.connect(hub.endpoint)
-            sock.send_multipart(encode(Hello(role="actor", client_id=name, protocol_version=PROTOCOL_VERSION,
-                                             config_hash=hub.config_hash, concurrency=window)))  # fmt: skip
+            sock.send_multipart(
+                encode(
+                    Hello(
+                        role="actor",
+                        client_id=name,
+                        protocol_version=PROTOCOL_VERSION,
+                        config_hash=hub.config_hash,
+                        concurrency=window,
+                    )
+                )
+            )
             socks.append(sock)
 
         def credits_after_turns(sock: zmq.Socket, turns: int = 5) -> list:

@@ -54,8 +54,17 @@ def raw(hub: HubProcess) -> Iterator[zmq.Socket]:
 def hello(
     sock: zmq.Socket, hub: HubProcess, role: str = "actor", client_id: str = "raw"
 ) -> list[CreditItem]:
-    sock.send_multipart(encode(Hello(role=role, client_id=client_id, protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash, concurrency=2)))  # fmt: skip
+    sock.send_multipart(
+        encode(
+            Hello(
+                role=role,
+                client_id=client_id,
+                protocol_version=PROTOCOL_VERSION,
+                config_hash=hub.config_hash,
+                concurrency=2,
+            )
+        )
+    )
     assert isinstance(reply(sock), Welcome)
     if role != "actor":
         return []
@@ -87,8 +96,14 @@ def test_garbage_bytes(raw: zmq.Socket, good: HubConnection) -> None:
 
 
 def test_wrong_protocol_version(raw: zmq.Socket, hub: HubProcess, good: HubConnection) -> None:
-    frames = encode(Hello(role="actor", client_id="old", protocol_version=PROTOCOL_VERSION,
-                          config_hash=hub.config_hash))  # fmt: skip
+    frames = encode(
+        Hello(
+            role="actor",
+            client_id="old",
+            protocol_version=PROTOCOL_VERSION,
+            config_hash=hub.config_hash,
+        )
+    )
     err = refused(raw, with_header(frames, protocol=PROTOCOL_VERSION + 1))
     assert (err.code, err.field) == ("protocol_mismatch", "protocol")
     err = refused(raw, with_header(frames, protocol_version=PROTOCOL_VERSION + 1))

@@ -29,9 +29,19 @@ def hello_raw(hub: HubProcess, client_id: str, session: int) -> tuple[zmq.Socket
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.endpoint)
-    sock.send_multipart(encode(Hello(role="actor", client_id=client_id, protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash, concurrency=2, batched_acks=True,
-                                     session=session)))  # fmt: skip
+    sock.send_multipart(
+        encode(
+            Hello(
+                role="actor",
+                client_id=client_id,
+                protocol_version=PROTOCOL_VERSION,
+                config_hash=hub.config_hash,
+                concurrency=2,
+                batched_acks=True,
+                session=session,
+            )
+        )
+    )
     welcome, items = None, []
     while welcome is None or len(items) < 2:
         assert sock.poll(int(WAIT_S * 1000)), "no Welcome or Credits"
@@ -133,9 +143,13 @@ def test_a_resumed_learner_takes_the_hub_back_to_its_version(tmp_path: Path, hub
 def test_a_durable_hub_killed_and_restarted_loses_and_repeats_nothing(
     tmp_path: Path, hubs: list
 ) -> None:
-    overrides = ["learner.groups_per_step=4", "replay.max_staleness=1000",
-                 "replay.durability=\"durable\"", f"replay.state_dir=\"{tmp_path / 'state'}\"",
-                 "replay.snapshot_log_bytes=20000"]  # fmt: skip
+    overrides = [
+        "learner.groups_per_step=4",
+        "replay.max_staleness=1000",
+        'replay.durability="durable"',
+        f'replay.state_dir="{tmp_path / "state"}"',
+        "replay.snapshot_log_bytes=20000",
+    ]
     first = HubProcess(tmp_path, overrides)
     hubs.append(first)
     actor = ActorThread(first.connect("actor", "actor-0", concurrency=8))
@@ -156,8 +170,16 @@ def test_a_durable_hub_killed_and_restarted_loses_and_repeats_nothing(
     hubs.append(second)
     observer = second.connect("client", "observer")
     after = stats(observer)
-    for key in ("stored", "policy_version", "groups_stored", "groups_trained", "groups_lent",
-                "dataset_epoch", "credits_issued", "credits_outstanding"):  # fmt: skip
+    for key in (
+        "stored",
+        "policy_version",
+        "groups_stored",
+        "groups_trained",
+        "groups_lent",
+        "dataset_epoch",
+        "credits_issued",
+        "credits_outstanding",
+    ):
         assert after[key] == before[key], key
     assert after["durability"]["recovered_ops"] + after["durability"]["recovered_snapshot_groups"]
     consumed += lent

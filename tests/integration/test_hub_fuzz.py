@@ -40,13 +40,25 @@ CHUNK = 200  # sent back to back, then their replies read
 def seeds() -> list[list[bytes]]:
     item = CreditItem(credit_id=5, prompt_id="p1", prompt="sort 1", seed=1)
     msgs: list[Any] = [
-        make_group("fuzz", 3, item, 0, size=3), BatchAck(request_id=4),
-        SampleRequest(request_id=4, policy_version=2, num_groups=2), Version(policy_version=3),
-        Heartbeat(client_id="fuzz", policy_version=1), CreditReturn(credit_ids=[5, 6]),
-        WeightsLoaded(actor_id="fuzz", policy_version=2), StatsRequest(), Bye(client_id="fuzz"),
-        Hello(role="actor", client_id="fuzz", protocol_version=1, config_hash="h", session=9,
-              acks_batches=True, batched_acks=True),
-    ]  # fmt: skip
+        make_group("fuzz", 3, item, 0, size=3),
+        BatchAck(request_id=4),
+        SampleRequest(request_id=4, policy_version=2, num_groups=2),
+        Version(policy_version=3),
+        Heartbeat(client_id="fuzz", policy_version=1),
+        CreditReturn(credit_ids=[5, 6]),
+        WeightsLoaded(actor_id="fuzz", policy_version=2),
+        StatsRequest(),
+        Bye(client_id="fuzz"),
+        Hello(
+            role="actor",
+            client_id="fuzz",
+            protocol_version=1,
+            config_hash="h",
+            session=9,
+            acks_batches=True,
+            batched_acks=True,
+        ),
+    ]
     return [[bytes(memoryview(f)) for f in encode(m)] for m in msgs]
 
 
@@ -108,8 +120,17 @@ def test_ten_thousand_mutated_messages_each_get_an_error_naming_the_field(hub: H
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.endpoint)
-    sock.send_multipart(encode(Hello(role="actor", client_id="fuzz", protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash, concurrency=0)))  # fmt: skip
+    sock.send_multipart(
+        encode(
+            Hello(
+                role="actor",
+                client_id="fuzz",
+                protocol_version=PROTOCOL_VERSION,
+                config_hash=hub.config_hash,
+                concurrency=0,
+            )
+        )
+    )
     assert sock.poll(int(WAIT_S * 1000)) and isinstance(decode(sock.recv_multipart()), Welcome)
     rss_before, answered = 0, 0
     chunk: list[str] = []

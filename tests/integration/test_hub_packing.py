@@ -28,8 +28,16 @@ def raw_learner(hub: HubProcess) -> object:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.endpoint)
-    sock.send_multipart(encode(Hello(role="learner", client_id="learner", protocol_version=PROTOCOL_VERSION,
-                                     config_hash=hub.config_hash)))  # fmt: skip
+    sock.send_multipart(
+        encode(
+            Hello(
+                role="learner",
+                client_id="learner",
+                protocol_version=PROTOCOL_VERSION,
+                config_hash=hub.config_hash,
+            )
+        )
+    )
     assert sock.poll(int(WAIT_S * 1000)), "no Welcome"
     assert isinstance(decode(sock.recv_multipart()), Welcome)
     return sock
@@ -38,8 +46,9 @@ def raw_learner(hub: HubProcess) -> object:
 @pytest.mark.parametrize(
     "pack_below, frames", [(None, 2), (0, 1 + 4 * 6)], ids=["default", "never"]
 )
-def test_batches_of_small_groups_come_packed(tmp_path: Path, hubs: list, pack_below: int | None,
-                                             frames: int) -> None:  # fmt: skip
+def test_batches_of_small_groups_come_packed(
+    tmp_path: Path, hubs: list, pack_below: int | None, frames: int
+) -> None:
     overrides = ["learner.groups_per_step=6"]
     if pack_below is not None:
         overrides.append(f"replay.pack_frames_below={pack_below}")
@@ -69,6 +78,8 @@ def test_batches_of_small_groups_come_packed(tmp_path: Path, hubs: list, pack_be
     for g in batch.groups:
         mine = sent[g.group_id]
         assert g.size == mine.size
-        assert (g.tokens == mine.tokens).all() and (g.behavior_logprobs == mine.behavior_logprobs).all()  # fmt: skip
+        assert (g.tokens == mine.tokens).all() and (
+            g.behavior_logprobs == mine.behavior_logprobs
+        ).all()
     for sock in (actor, learner):
         sock.close()

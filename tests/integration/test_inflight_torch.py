@@ -53,7 +53,7 @@ def test_tokens_after_an_update_come_from_the_new_version(
     requests = [
         GenerationRequest(
             prompt_tokens=engine.encode(p), n=2, max_new_tokens=8, stop_token_ids=(), seed=i
-        )  # fmt: skip
+        )
         for i, p in enumerate(PROMPTS)
     ]
     results = engine.generate(requests)
@@ -117,20 +117,29 @@ def test_a_trajectory_spanning_two_versions_is_weighted_token_by_token(
 
     engine.between_steps = between
     prompt = engine.encode("3141:")
-    (samples,) = engine.generate([GenerationRequest(prompt_tokens=prompt, n=4, max_new_tokens=6,
-                                                    stop_token_ids=(), seed=3)])  # fmt: skip
+    (samples,) = engine.generate(
+        [GenerationRequest(prompt_tokens=prompt, n=4, max_new_tokens=6, stop_token_ids=(), seed=3)]
+    )
     trajectories = []
     for s in samples:
         spans = (0, 0, 1, 1)  # the first token from version 0, the rest from version 1
         assert s.token_versions().tolist() == [0, 1, 1, 1, 1, 1]
-        trajectories.append(Trajectory(
-            tokens=np.concatenate([np.asarray(prompt, np.int32), s.completion_tokens]),
-            prompt_len=len(prompt), loss_mask=np.ones(6, np.uint8), behavior_logprobs=s.logprobs,
-            reward=1.0, min_policy_version=0, max_policy_version=1, finish_reason="length",
-            version_spans=spans,
-        ))  # fmt: skip
-    group = Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
-                        trajectories=trajectories)  # fmt: skip
+        trajectories.append(
+            Trajectory(
+                tokens=np.concatenate([np.asarray(prompt, np.int32), s.completion_tokens]),
+                prompt_len=len(prompt),
+                loss_mask=np.ones(6, np.uint8),
+                behavior_logprobs=s.logprobs,
+                reward=1.0,
+                min_policy_version=0,
+                max_policy_version=1,
+                finish_reason="length",
+                version_spans=spans,
+            )
+        )
+    group = Group.build(
+        group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0, trajectories=trajectories
+    )
     group = decode(encode(group))
     assert group.trajectories()[0].token_versions().tolist() == [0, 1, 1, 1, 1, 1]
     batch = collate([group], pad_id=0)

@@ -34,15 +34,33 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head on 127.0.0.1 with 2 CPUs; stopped through the pid of `ray start --block`."""
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-           "--num-cpus=2", "--num-gpus=0", "--node-ip-address=127.0.0.1", f"--port={port}",
-           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]  # fmt: skip
-    head = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus=2",
+        "--num-gpus=0",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+    ]
+    head = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+    )
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status",
-                          f"--address={address}"], capture_output=True).returncode != 0:  # fmt: skip
+    while (
+        subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
+            capture_output=True,
+        ).returncode
+        != 0
+    ):
         assert head.poll() is None, "ray start exited"
         assert time.monotonic() < deadline, "the Ray head did not come up within 120 s"
         time.sleep(1)
@@ -59,18 +77,32 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_launch_trains_and_survives_a_killed_actor_worker(ray_head: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     keys = tmp_path / "keys"  # the hub binds the node's address: CURVE auth, as on a cluster
-    subprocess.run([sys.executable, "-m", "asyncrl", "keygen", str(keys), "--clients", "1"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "asyncrl", "keygen", str(keys), "--clients", "1"], check=True
+    )
     overrides = [
         f"replay.auth_dir={json.dumps(str(keys))}",
-        f"learner.max_steps={STEPS}", "run.num_actors=2", "learner.world=2",
-        "launch.hub_cpus=0.2", "launch.actor_cpus=0.4", "launch.learner_cpus=0.5",
+        f"learner.max_steps={STEPS}",
+        "run.num_actors=2",
+        "learner.world=2",
+        "launch.hub_cpus=0.2",
+        "launch.actor_cpus=0.4",
+        "launch.learner_cpus=0.5",
         "run.progress_every_s=1",
         f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs" / "tiny_cpu.toml"),
-           "--ray", ray_head, "--run-dir", str(run_dir),
-           *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "launch",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--ray",
+        ray_head,
+        "--run-dir",
+        str(run_dir),
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     log = tmp_path / "launch.log"
     with log.open("w") as out_file:
         launcher = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT)

@@ -53,16 +53,25 @@ def _group(rng: np.random.Generator, group_id: str, size: int, versions: tuple =
                 version_spans=spans,
             )
         )
-    return Group.build(group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0,
-                       trajectories=trajs)  # fmt: skip
+    return Group.build(
+        group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0, trajectories=trajs
+    )
 
 
 def _config(model_dir: Path, minibatches: int, loss: str) -> RunConfig:
-    return load_config(None, [
-        f"model.path={json.dumps(str(model_dir))}", "learner.groups_per_step=2",
-        f"learner.minibatches={minibatches}", "learner.micro_batch_samples=64",
-        "learner.lr=0.01", "learner.grad_clip=1.0", f"loss.name={loss}", "actor.temperature=1.0",
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.path={json.dumps(str(model_dir))}",
+            "learner.groups_per_step=2",
+            f"learner.minibatches={minibatches}",
+            "learner.micro_batch_samples=64",
+            "learner.lr=0.01",
+            "learner.grad_clip=1.0",
+            f"loss.name={loss}",
+            "actor.temperature=1.0",
+        ],
+    )
 
 
 @pytest.fixture
@@ -70,8 +79,9 @@ def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
     made: list[Learner] = []
 
     def make(cfg: RunConfig) -> Learner:
-        conn = HubConnection("tcp://127.0.0.1:1", role="learner", client_id="learner",
-                             config_hash=cfg.config_hash())  # never started: nothing is sent  # fmt: skip
+        conn = HubConnection(
+            "tcp://127.0.0.1:1", role="learner", client_id="learner", config_hash=cfg.config_hash()
+        )  # never started: nothing is sent
         made.append(Learner(cfg, tmp_path / "run", conn, tiny_model_dir))
         return made[-1]
 
@@ -100,11 +110,18 @@ def _reference(
         optimizer.zero_grad(set_to_none=True)
         logprobs, _ = token_logprobs(model, rows, 1.0, share, row_tokens)
         proximal = start_logprobs[first:last] if parts > 1 else logprobs.detach()
-        loss, _ = policy_loss(logprobs, proximal, rows.behavior_logprobs, advantages[first:last],
-                              rows.mask, cfg.loss, num_samples_total=last - first,
-                              max_tokens=cfg.actor.max_new_tokens,
-                              num_tokens_total=float(rows.mask.sum()),
-                              token_lag=version - rows.token_versions)  # fmt: skip
+        loss, _ = policy_loss(
+            logprobs,
+            proximal,
+            rows.behavior_logprobs,
+            advantages[first:last],
+            rows.mask,
+            cfg.loss,
+            num_samples_total=last - first,
+            max_tokens=cfg.actor.max_new_tokens,
+            num_tokens_total=float(rows.mask.sum()),
+            token_lag=version - rows.token_versions,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
         optimizer.step()
@@ -123,8 +140,9 @@ def test_minibatch_steps_match_the_reference(
     cfg = _config(tiny_model_dir, minibatches, loss)
     learner = make_learner(cfg)  # type: ignore[operator]
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    stats = learner.optimize(Batch(request_id=1, policy_version=0, groups=tuple(groups),
-                                   dropped_stale=0, wait_s=0.0))  # fmt: skip
+    stats = learner.optimize(
+        Batch(request_id=1, policy_version=0, groups=tuple(groups), dropped_stale=0, wait_s=0.0)
+    )
     steps = {int(s["step"]) for s in learner.optimizer.state.values()}
     assert steps == {minibatches}  # one AdamW step per minibatch
     want = dict(_reference(cfg, tiny_model_dir, groups).named_parameters())
@@ -171,8 +189,9 @@ def test_the_learning_rate_falls_with_the_mean_token_lag(
     stats = learner.optimize(Batch(request_id=1, policy_version=4, groups=tuple(groups)))
     rate = 0.01 / (1 + 0.5 * mean_lag)
     assert stats["lr"] == pytest.approx(rate, rel=1e-12)
-    same = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lr=rate,
-                                                                lr_staleness_decay=0.0))  # fmt: skip
+    same = dataclasses.replace(
+        cfg, learner=dataclasses.replace(cfg.learner, lr=rate, lr_staleness_decay=0.0)
+    )
     want = dict(_reference(same, tiny_model_dir, groups, version=4).named_parameters())
     for name, param in learner.model.named_parameters():
         torch.testing.assert_close(param, want[name], atol=1e-6, rtol=1e-5, msg=name)

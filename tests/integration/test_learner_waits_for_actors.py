@@ -28,10 +28,12 @@ def _config(tmp_path: Path, *overrides: str) -> RunConfig:
         [
             f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
             f"run.run_dir={json.dumps(str(tmp_path / 'run'))}",
-            "run.num_actors=2", "learner.max_steps=2", "replay.max_staleness=0",
+            "run.num_actors=2",
+            "learner.max_steps=2",
+            "replay.max_staleness=0",
             *overrides,
         ],
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -50,11 +52,20 @@ def _start(procs: Processes, cfg: RunConfig) -> str:
     args = ["--config", str(config_path)]
     hub = procs.start(
         "hub",
-        ["replay", *args, "--dataset", str(dataset), "--endpoint-file", str(run_dir / "hub.endpoint")],
+        [
+            "replay",
+            *args,
+            "--dataset",
+            str(dataset),
+            "--endpoint-file",
+            str(run_dir / "hub.endpoint"),
+        ],
         threads=1,
-    )  # fmt: skip
+    )
     endpoint = wait_for_file(run_dir / "hub.endpoint", hub, timeout_s=60)
-    procs.start("learner", ["learner", *args, "--hub", endpoint, "--run-dir", str(run_dir)], threads=1)  # fmt: skip
+    procs.start(
+        "learner", ["learner", *args, "--hub", endpoint, "--run-dir", str(run_dir)], threads=1
+    )
     return endpoint
 
 
@@ -63,10 +74,21 @@ def _start_actor(procs: Processes, cfg: RunConfig, endpoint: str, index: int) ->
     name = f"actor-{index}"
     procs.start(
         name,
-        ["actor", "--config", str(run_dir / "config.toml"), "--hub", endpoint, "--actor-id", name,
-         "--index", str(index), "--status-file", str(run_dir / f"{name}.json")],
+        [
+            "actor",
+            "--config",
+            str(run_dir / "config.toml"),
+            "--hub",
+            endpoint,
+            "--actor-id",
+            name,
+            "--index",
+            str(index),
+            "--status-file",
+            str(run_dir / f"{name}.json"),
+        ],
         threads=1,
-    )  # fmt: skip
+    )
 
 
 def _wait_for_log(procs: Processes, name: str, text: str, timeout_s: float = 240) -> str:

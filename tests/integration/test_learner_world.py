@@ -154,11 +154,20 @@ def test_ranks_started_by_torchrun(
     """The same two ranks started by torchrun (its RANK/WORLD_SIZE/MASTER_* variables) train
     exactly like world 1."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER),
-        str(tiny_model_dir), str(tmp_path / "torchrun"), "2",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        str(tiny_model_dir),
+        str(tmp_path / "torchrun"),
+        "2",
+    ]
+    proc = subprocess.run(
+        cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert max_diff(exported(runs["w1"]), exported(tmp_path / "torchrun")) < TOLERANCE

@@ -45,21 +45,47 @@ def value(samples: dict[str, float], name: str) -> float:
 
 def test_every_process_serves_live_metrics(tmp_path: Path) -> None:
     hub, actor, learner = free_port(), free_port(), free_port()
-    overrides = [f"metrics.hub_port={hub}", f"metrics.actor_port={actor}",
-                 f"metrics.learner_port={learner}", "learner.max_steps=400",
-                 f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}"]  # fmt: skip
-    cmd = [sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-           "--run-dir", str(tmp_path / "run"), "--quiet",
-           *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+    overrides = [
+        f"metrics.hub_port={hub}",
+        f"metrics.actor_port={actor}",
+        f"metrics.learner_port={learner}",
+        "learner.max_steps=400",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--quiet",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen: dict[str, dict[str, float]] = {}
     want = {
-        "hub": (hub, ["asyncrl_hub_groups_received_total", "asyncrl_hub_groups_consumed_total",
-                      "asyncrl_hub_policy_version", "asyncrl_hub_clients_alive"]),
+        "hub": (
+            hub,
+            [
+                "asyncrl_hub_groups_received_total",
+                "asyncrl_hub_groups_consumed_total",
+                "asyncrl_hub_policy_version",
+                "asyncrl_hub_clients_alive",
+            ],
+        ),
         "actor": (actor, ["asyncrl_actor_groups_pushed_total", "asyncrl_actor_tokens_per_s"]),
-        "learner": (learner, ["asyncrl_learner_reward_mean", "asyncrl_learner_step",
-                              "asyncrl_learner_staleness_hist", "asyncrl_learner_ess"]),
-    }  # fmt: skip
+        "learner": (
+            learner,
+            [
+                "asyncrl_learner_reward_mean",
+                "asyncrl_learner_step",
+                "asyncrl_learner_staleness_hist",
+                "asyncrl_learner_ess",
+            ],
+        ),
+    }
     try:
         deadline = time.monotonic() + 300
         while len(seen) < len(want) and run.poll() is None and time.monotonic() < deadline:

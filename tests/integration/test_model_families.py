@@ -48,14 +48,19 @@ def to_group(samples: Sequence[Sample], rng: np.random.Generator) -> Group:
     trajs = [
         Trajectory(
             tokens=np.concatenate([np.array(PROMPT, np.int32), s.completion_tokens]),
-            prompt_len=len(PROMPT), loss_mask=np.ones(len(s.completion_tokens), np.uint8),
-            behavior_logprobs=s.logprobs, reward=float(rng.random()), min_policy_version=0,
-            max_policy_version=0, finish_reason=s.finish_reason,
+            prompt_len=len(PROMPT),
+            loss_mask=np.ones(len(s.completion_tokens), np.uint8),
+            behavior_logprobs=s.logprobs,
+            reward=float(rng.random()),
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason=s.finish_reason,
         )
         for s in samples
-    ]  # fmt: skip
-    return Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
-                       trajectories=trajs)  # fmt: skip
+    ]
+    return Group.build(
+        group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0, trajectories=trajs
+    )
 
 
 def learner_logprobs(model: torch.nn.Module, samples: Sequence[Sample]) -> list[np.ndarray]:
@@ -91,8 +96,15 @@ def train_one_step(model_dir: Path, samples: Sequence[Sample]) -> torch.nn.Modul
     """One learner step (decoupled PPO, lr large enough to move every logprob) on `samples`."""
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(None, [f"model.path={json.dumps(str(model_dir))}", "learner.lr=0.01",
-                             "learner.groups_per_step=1", "actor.temperature=1.0"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={json.dumps(str(model_dir))}",
+            "learner.lr=0.01",
+            "learner.groups_per_step=1",
+            "actor.temperature=1.0",
+        ],
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     runner = StepRunner(cfg, model, make_adamw(model, 0.01, 0.0), pad_id=0)
@@ -142,8 +154,9 @@ def test_family_weight_path(arch: str, models: dict[str, Path], tmp_path: Path) 
     finally:
         vllm.close()
         torch_engine.close()
-    ckpt = save_checkpoint(tmp_path / "ckpt", trained, None, {"policy_version": 1, "step": 1},
-                           tokenizer_dir=model_dir)  # fmt: skip
+    ckpt = save_checkpoint(
+        tmp_path / "ckpt", trained, None, {"policy_version": 1, "step": 1}, tokenizer_dir=model_dir
+    )
     loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     want = dict(trained.state_dict())
     for name, tensor in loaded.state_dict().items():

@@ -33,23 +33,43 @@ from replay.prompts import load_dataset
 REPO = Path(__file__).resolve().parents[2]
 EVERY = 10
 STEPS = 40
-OBS_SETTINGS = [f"learner.max_steps={STEPS}", f"eval.every_versions={EVERY}",
-                "eval.num_prompts=8", "eval.num_samples=2", "trajectories.sample_every_steps=5",
-                "alarms.warmup_steps=10", "alarms.window_steps=5",
-                "alarms.ess_min=0.999"]  # fmt: skip
+OBS_SETTINGS = [
+    f"learner.max_steps={STEPS}",
+    f"eval.every_versions={EVERY}",
+    "eval.num_prompts=8",
+    "eval.num_samples=2",
+    "trajectories.sample_every_steps=5",
+    "alarms.warmup_steps=10",
+    "alarms.window_steps=5",
+    "alarms.ess_min=0.999",
+]
 """ESS below 0.999 is the rule on this task, so ess_collapse fires at the end of the warm-up."""
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def asyncrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def run_command(run_dir: Path, models: Path, settings: list[str]) -> list[str]:
     overrides = [*settings, f"model.cache_dir={json.dumps(str(models))}"]
-    return [sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-            "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -110,8 +130,12 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     if HAS_WANDB:
         settings += ['metrics.wandb_project="asyncrl-test"', 'metrics.wandb_mode="offline"']
         env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.Popen(run_command(run_dir, base / "models", settings), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        run_command(run_dir, base / "models", settings),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         paused = wait_for_pause(run_dir, proc)
         frames = watch_frames(run_dir, 2)
@@ -128,8 +152,13 @@ def test_status_shows_the_alarm_pause_and_resume(observed: Observed) -> None:
     assert observed.returncode == 0
     text = observed.paused_status
     assert "PAUSED (alarm ess_collapse at step" in text
-    for needle in ("actor-0", "learner", "staleness of consumed groups", "ess_collapse [pause]",
-                   "eval: every 10 versions"):  # fmt: skip
+    for needle in (
+        "actor-0",
+        "learner",
+        "staleness of consumed groups",
+        "ess_collapse [pause]",
+        "eval: every 10 versions",
+    ):
         assert needle in text, f"{needle!r} not in the status table:\n{text}"
     assert "PAUSED" not in observed.resumed_status.splitlines()[0]
     assert len(observed.watch_frames) == 2
@@ -138,8 +167,11 @@ def test_status_shows_the_alarm_pause_and_resume(observed: Observed) -> None:
 
 @pytest.mark.slow
 def test_alarm_is_logged_with_evidence(observed: Observed) -> None:
-    alarms = [a for a in read_alarms(observed.run_dir / "alarms.jsonl")
-              if not a["name"].startswith("reward:")]  # not the reward monitor's  # fmt: skip
+    alarms = [
+        a
+        for a in read_alarms(observed.run_dir / "alarms.jsonl")
+        if not a["name"].startswith("reward:")
+    ]  # not the reward monitor's
     assert [a["name"] for a in alarms] == ["ess_collapse"]  # once: the cooldown holds the rest
     alarm = alarms[0]
     assert alarm["action"] == "pause"
@@ -159,8 +191,10 @@ def test_eval_is_logged_at_every_kth_version_outside_training(observed: Observed
         assert 0.0 <= r["pass@1"] <= r["pass@2"] <= 1.0
         assert 0.0 <= r["reward_mean"] <= 1.0 and 0 < r["length_mean"] <= cfg.actor.max_new_tokens
     assert list((observed.run_dir / "tb" / "eval").glob("events.out.tfevents.*"))
-    held = {p.prompt_id for p in held_out_split(load_dataset(observed.run_dir / "prompts.jsonl"),
-                                                 cfg.eval)[1]}  # fmt: skip
+    held = {
+        p.prompt_id
+        for p in held_out_split(load_dataset(observed.run_dir / "prompts.jsonl"), cfg.eval)[1]
+    }
     trained = set(load_table(observed.run_dir)["prompt_id"].tolist())
     assert len(held) == 8 and trained and not held & trained
 
@@ -191,18 +225,40 @@ def test_inspect_lists_filters_and_shows(observed: Observed) -> None:
     assert listed.returncode == 0, listed.stderr
     everything = json.loads(listed.stdout)
     assert len(everything) >= 16 * (STEPS // 5)  # one group of every 5th step at least
-    picked = asyncrl("inspect", run, "--json", "--limit", "0", "--reward-min", "0.1",
-                     "--finish", "stop", "--staleness-max", "3")  # fmt: skip
+    picked = asyncrl(
+        "inspect",
+        run,
+        "--json",
+        "--limit",
+        "0",
+        "--reward-min",
+        "0.1",
+        "--finish",
+        "stop",
+        "--staleness-max",
+        "3",
+    )
     rows = json.loads(picked.stdout)
-    expect = [r for r in everything if r["reward"] >= 0.1 and r["finish_reason"] == "stop"
-              and r["staleness"] <= 3]  # fmt: skip
+    expect = [
+        r
+        for r in everything
+        if r["reward"] >= 0.1 and r["finish_reason"] == "stop" and r["staleness"] <= 3
+    ]
     assert [r["trajectory_id"] for r in rows] == [r["trajectory_id"] for r in expect]
     table = asyncrl("inspect", run, "--actor", "actor-0", "--limit", "5")
     assert len(table.stdout.strip().splitlines()) == 6 and "matches" not in table.stdout
     shown = asyncrl("inspect", run, "--show", everything[0]["trajectory_id"])
     assert shown.returncode == 0, shown.stderr
-    for needle in ("[prompt]", "[model]", "behaviour lp", "learner lp", "IS weight", "mask",
-                   "reward ", "staleness"):  # fmt: skip
+    for needle in (
+        "[prompt]",
+        "[model]",
+        "behaviour lp",
+        "learner lp",
+        "IS weight",
+        "mask",
+        "reward ",
+        "staleness",
+    ):
         assert needle in shown.stdout, f"{needle!r} missing:\n{shown.stdout}"
     first = everything[0]
     n = len(first["loss_mask"])
@@ -217,16 +273,30 @@ def test_report_renders_in_headless_chromium(observed: Observed, tmp_path: Path)
     made = asyncrl("report", str(observed.run_dir))
     assert made.returncode == 0, made.stderr
     page = (observed.run_dir / "report.html").as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
-    dom = subprocess.run([chromium, *flags, "--dump-dom", page], capture_output=True, text=True,
-                         timeout=120, check=True).stdout  # fmt: skip
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    dom = subprocess.run(
+        [chromium, *flags, "--dump-dom", page],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     for chart in ("reward", "throughput", "staleness", "ess", "kl", "entropy", "length", "eval"):
         assert f'id="chart-{chart}"' in dom, f"chart-{chart} not rendered"
     assert dom.count("<polyline") >= 8 and 'class="trajectory"' in dom and "ess_collapse" in dom
     shot = tmp_path / "report.png"
-    subprocess.run([chromium, *flags, "--window-size=1200,1800", f"--screenshot={shot}", page],
-                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    subprocess.run(
+        [chromium, *flags, "--window-size=1200,1800", f"--screenshot={shot}", page],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     from PIL import Image
 
     pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
@@ -236,8 +306,10 @@ def test_report_renders_in_headless_chromium(observed: Observed, tmp_path: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (the not-installed path is "
-                    "tests/unit/test_observe.py)")  # fmt: skip
+@pytest.mark.skipif(
+    not HAS_WANDB,
+    reason="wandb is not installed (the not-installed path is tests/unit/test_observe.py)",
+)
 def test_wandb_offline_run_is_written(observed: Observed) -> None:
     runs = list(observed.run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert runs and runs[0].stat().st_size > 0
@@ -246,10 +318,19 @@ def test_wandb_offline_run_is_written(observed: Observed) -> None:
 @pytest.mark.slow
 def test_stop_on_alarm_checkpoints_and_ends_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    settings = [*OBS_SETTINGS, "learner.max_steps=200", "eval.every_versions=0",
-                "alarms.stop_on=ess_collapse"]  # fmt: skip
-    done = subprocess.run(run_command(run_dir, tmp_path / "models", settings), timeout=400,
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    settings = [
+        *OBS_SETTINGS,
+        "learner.max_steps=200",
+        "eval.every_versions=0",
+        "alarms.stop_on=ess_collapse",
+    ]
+    done = subprocess.run(
+        run_command(run_dir, tmp_path / "models", settings),
+        timeout=400,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     alarm = [a for a in read_alarms(run_dir / "alarms.jsonl") if a["name"] == "ess_collapse"][0]
     assert alarm["name"] == "ess_collapse" and alarm["action"] == "stop"

@@ -28,12 +28,24 @@ BUCKET_BYTES = 4 << 20
 def test_publish_from_shards_holds_at_most_three_buckets(tmp_path: Path) -> None:
     from asyncrl.tiny_model import ensure_model
 
-    shape = ModelConfig(cache_dir=str(tmp_path / "models"), hidden_size=256, num_layers=16,
-                        num_heads=8, num_kv_heads=4, intermediate_size=688)  # fmt: skip
+    shape = ModelConfig(
+        cache_dir=str(tmp_path / "models"),
+        hidden_size=256,
+        num_layers=16,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=688,
+    )
     model_dir = ensure_model(shape, TaskConfig())
     out = tmp_path / "memory.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="2",
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(model_dir), str(BUCKET_BYTES), str(out)],

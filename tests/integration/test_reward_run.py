@@ -19,10 +19,18 @@ COMPONENTS = ("task", "reward_model", "overlong", "format", "repetition")
 def test_composed_reward_run_with_the_served_reward_model(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_reward_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", "learner.max_steps=3",
-        "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_reward_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "learner.max_steps=3",
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -39,8 +47,9 @@ def test_composed_reward_run_with_the_served_reward_model(tmp_path: Path) -> Non
     with pytest.raises(ProcessLookupError):
         os.kill(pids["reward-server"], 0)  # ended with the run
     seen = [json.loads(line) for line in (run_dir / "reward_provenance.jsonl").open()]
-    checkpoints = {p["provenance"]["components"]["reward_model"].get("reward_model_hash")
-                   for p in seen}  # fmt: skip
+    checkpoints = {
+        p["provenance"]["components"]["reward_model"].get("reward_model_hash") for p in seen
+    }
     assert checkpoints == {server["model_hash"]}  # every trajectory names the checkpoint
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_codes"]["reward-server"] == 0

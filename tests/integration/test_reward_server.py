@@ -39,8 +39,11 @@ from asyncrl.protocol import (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
     """Small batches, short wait, a queue of only 16 samples."""
-    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
-                         *sets(max_batch=8, max_wait_ms=5, max_queue_samples=16))  # fmt: skip
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("rm"),
+        rm_dir,
+        *sets(max_batch=8, max_wait_ms=5, max_queue_samples=16),
+    )
     yield proc
     proc.kill()
 
@@ -48,8 +51,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[S
 @pytest.fixture(scope="module")
 def patient(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
     """A server whose partial batches wait a minute: batches run only when full."""
-    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
-                         *sets(max_batch=8, max_wait_ms=60000, max_queue_samples=64))  # fmt: skip
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("rm"),
+        rm_dir,
+        *sets(max_batch=8, max_wait_ms=60000, max_queue_samples=64),
+    )
     yield proc
     proc.kill()
 
@@ -57,8 +63,11 @@ def patient(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory, rm_dir: Path) -> Iterator[ServerProcess]:
     """Batches of 16 samples only (a partial one waits a minute), and a queue of 16."""
-    proc = ServerProcess(tmp_path_factory.mktemp("rm"), rm_dir,
-                         *sets(max_batch=16, max_wait_ms=60000, max_queue_samples=16))  # fmt: skip
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("rm"),
+        rm_dir,
+        *sets(max_batch=16, max_wait_ms=60000, max_queue_samples=16),
+    )
     yield proc
     proc.kill()
 
@@ -114,8 +123,9 @@ def test_component_scores_token_ids_like_their_texts(server: ServerProcess) -> N
 
     component = RewardModelComponent(RewardModelClient(server.endpoint, timeout_s=WAIT_S))
     try:
-        ids = component.submit_tokens([encode_text(p) for p in PROMPTS],
-                                      [encode_text(c) for c in COMPLETIONS], decode).result()  # fmt: skip
+        ids = component.submit_tokens(
+            [encode_text(p) for p in PROMPTS], [encode_text(c) for c in COMPLETIONS], decode
+        ).result()
         texts = component.client.score([p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
     finally:
         component.close()
@@ -129,8 +139,9 @@ def test_concurrent_clients_each_get_their_own_scores(server: ServerProcess, rm_
     results: dict[int, list[list[float]]] = {}
 
     def one_client(k: int) -> None:
-        client = RewardModelClient(server.endpoint, client_id=f"c{k}", timeout_s=WAIT_S,
-                                   retries=20, backoff_s=0.01)  # fmt: skip
+        client = RewardModelClient(
+            server.endpoint, client_id=f"c{k}", timeout_s=WAIT_S, retries=20, backoff_s=0.01
+        )
         try:  # each client asks for a different rotation of the texts, several in flight
             mine = texts[k:] + texts[:k]
             futures = [client.score_async(mine) for _ in range(4)]
@@ -170,8 +181,9 @@ def test_a_request_past_its_timeout_gets_a_timeout_error(patient: ServerProcess)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(patient.endpoint)
     try:  # one sample never fills a batch of 8 on this server: it waits past its timeout
-        sock.send_multipart(encode(ScoreRequest(request_id=5, prompts=["1:"], completions=["1"],
-                                                timeout_s=0.3)))  # fmt: skip
+        sock.send_multipart(
+            encode(ScoreRequest(request_id=5, prompts=["1:"], completions=["1"], timeout_s=0.3))
+        )
         msg = reply(sock)
     finally:
         sock.close()
@@ -211,13 +223,16 @@ def test_bad_requests_get_an_error_naming_the_field(
     assert isinstance(reply(raw), Scores)  # the same connection is still served
 
 
-def test_a_full_queue_answers_overloaded_and_loses_no_accepted_request(server: ServerProcess, raw: zmq.Socket) -> None:  # fmt: skip
+def test_a_full_queue_answers_overloaded_and_loses_no_accepted_request(
+    server: ServerProcess, raw: zmq.Socket
+) -> None:
     before = RewardModelClient(server.endpoint, timeout_s=WAIT_S)
     scored_before = before.server_stats()["samples_scored"]
     num = 60  # 8 samples each against a queue of 16: far faster in than out
     for i in range(num):
-        raw.send_multipart(encode(ScoreRequest(request_id=i, prompts=["3141:"] * 8,
-                                               completions=["1134"] * 8)))  # fmt: skip
+        raw.send_multipart(
+            encode(ScoreRequest(request_id=i, prompts=["3141:"] * 8, completions=["1134"] * 8))
+        )
     replies = [reply(raw) for _ in range(num)]
     assert sorted(r.request_id for r in replies) == list(range(num))  # every one answered
     overloaded = [r for r in replies if isinstance(r, Error)]
@@ -234,23 +249,29 @@ def test_a_full_queue_answers_overloaded_and_loses_no_accepted_request(server: S
 def test_an_overloaded_client_retries_until_its_request_fits(held: ServerProcess) -> None:
     """Deterministic: 15 of the queue's 16 samples are held waiting for a 16th, so the client's 8
     must be refused; once it has retried, a 16th sample lets the batch run and the retry fits."""
-    client = RewardModelClient(held.endpoint, timeout_s=WAIT_S, retries=1000, backoff_s=0.01,
-                               max_backoff_s=0.02)  # fmt: skip
+    client = RewardModelClient(
+        held.endpoint, timeout_s=WAIT_S, retries=1000, backoff_s=0.01, max_backoff_s=0.02
+    )
     with dealer(held.endpoint) as raw:
         try:
-            raw.send_multipart(encode(ScoreRequest(request_id=1, prompts=["3141:"] * 15,
-                                                   completions=["1134"] * 15)))  # fmt: skip
+            raw.send_multipart(
+                encode(
+                    ScoreRequest(request_id=1, prompts=["3141:"] * 15, completions=["1134"] * 15)
+                )
+            )
             wait_for(lambda: client.server_stats()["queue_depth"] == 15, "15 samples queued")
             future = client.submit(["3141:"] * 8, ["1134"] * 8)  # 15 + 8 > 16: overloaded
             wait_for(lambda: client.stats["retries"] > 0, "the client to retry")
             assert not future.done()
-            raw.send_multipart(encode(ScoreRequest(request_id=2, prompts=["12:"],
-                                                   completions=["21"])))  # fmt: skip
+            raw.send_multipart(
+                encode(ScoreRequest(request_id=2, prompts=["12:"], completions=["21"]))
+            )
             first = sorted((reply(raw), reply(raw)), key=lambda r: r.request_id)
             assert [(type(r), len(r.scores)) for r in first] == [(Scores, 15), (Scores, 1)]
             # the client's retry now fits (8 of 16); 8 more samples fill the next batch
-            raw.send_multipart(encode(ScoreRequest(request_id=3, prompts=["9870:"] * 8,
-                                                   completions=["0789"] * 8)))  # fmt: skip
+            raw.send_multipart(
+                encode(ScoreRequest(request_id=3, prompts=["9870:"] * 8, completions=["0789"] * 8))
+            )
             last = reply(raw)
             assert isinstance(last, Scores) and last.request_id == 3, last
             result = future.result(timeout=WAIT_S)

@@ -28,8 +28,9 @@ from asyncrl.auth import keygen
 def test_a_client_with_no_server_times_out_after_its_retries() -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:  # binds, never answers
         port = silent.bind_to_random_port("tcp://127.0.0.1")
-        client = RewardModelClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2,
-                                   backoff_s=0.05)  # fmt: skip
+        client = RewardModelClient(
+            f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2, backoff_s=0.05
+        )
         try:
             with pytest.raises(RewardModelError, match="attempt 3") as caught:
                 client.score(["1:1"])

@@ -20,10 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(tmp_path: Path, *overrides: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
         *[arg for o in overrides for arg in ("--set", o)],
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=480)
     return run_dir, proc
 
@@ -66,8 +73,13 @@ def test_run_async(tmp_path: Path, eta: int, steps: int) -> None:
 @pytest.mark.slow
 def test_run_with_in_flight_weight_updates(tmp_path: Path) -> None:
     steps = 40
-    run_dir, proc = _run(tmp_path, f"learner.max_steps={steps}", "replay.max_staleness=1",
-                         "actor.weight_update=in_flight", "actor.max_new_tokens=16")  # fmt: skip
+    run_dir, proc = _run(
+        tmp_path,
+        f"learner.max_steps={steps}",
+        "replay.max_staleness=1",
+        "actor.weight_update=in_flight",
+        "actor.max_new_tokens=16",
+    )
     _check_run(run_dir, proc, steps=steps, eta=1)
     status = json.loads((run_dir / "actor-0.json").read_text())["stats"]
     assert status["inflight_updates"] > 0, status  # weights arrived mid-generation
@@ -94,10 +106,19 @@ def test_resume_continues_the_version_count(tmp_path: Path) -> None:
     run_dir, proc = _run(tmp_path, "learner.max_steps=3")
     _check_run(run_dir, proc, steps=3, eta=4)
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"), "--resume",
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-        "--set", "learner.max_steps=5",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--resume",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        "--set",
+        "learner.max_steps=5",
+    ]
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=480)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -30,9 +30,16 @@ def _start_run(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, dict[str, i
     job its own process group), returned once the learner has made 3 steps."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+    ]
     proc = subprocess.Popen(
         cmd,
         cwd=tmp_path,

@@ -30,15 +30,33 @@ def steps_done(run_dir: Path) -> int:
 def test_run_restarts_a_killed_hub_actor_and_learner(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-        "--set", f"learner.max_steps={STEPS}", "--set", "learner.checkpoint_every=3",
-        "--set", 'replay.durability="durable"', "--set", "run.restart_backoff_s=0.2",
-        "--set", "run.max_wall_s=0", "--set", "replay.heartbeat_timeout_s=5.0",
-        "--set", "weights.timeout_s=10.0",  # a publication to the killed actor fails within 10 s
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        "--set",
+        f"learner.max_steps={STEPS}",
+        "--set",
+        "learner.checkpoint_every=3",
+        "--set",
+        'replay.durability="durable"',
+        "--set",
+        "run.restart_backoff_s=0.2",
+        "--set",
+        "run.max_wall_s=0",
+        "--set",
+        "replay.heartbeat_timeout_s=5.0",
+        "--set",
+        "weights.timeout_s=10.0",  # a publication to the killed actor fails within 10 s
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed: list[str] = []
     try:
         deadline = time.monotonic() + 420
@@ -78,12 +96,23 @@ def test_run_restarts_a_killed_hub_actor_and_learner(tmp_path: Path) -> None:
 def test_a_process_that_keeps_crashing_ends_the_run_with_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
-        "--set", "run.max_restarts=1", "--set", "run.restart_backoff_s=0.05",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'models'))}",
+        "--set",
+        "run.max_restarts=1",
+        "--set",
+        "run.restart_backoff_s=0.05",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         pids: list[int] = []
         deadline = time.monotonic() + 240
@@ -107,8 +136,17 @@ def test_a_process_that_keeps_crashing_ends_the_run_with_one_line(tmp_path: Path
 
 
 def test_a_setting_that_cannot_work_ends_the_run_with_one_line(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_cpu.toml"),
-           "--run-dir", str(tmp_path / "run"), "--set", 'model.path="/nonexistent/model"']  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        'model.path="/nonexistent/model"',
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [

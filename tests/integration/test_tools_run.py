@@ -24,10 +24,18 @@ STEPS = 1500
 def test_tiny_tools_cpu_learns_to_call_the_tool(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "asyncrl", "run", str(REPO / "configs" / "tiny_tools_cpu.toml"),
-        "--run-dir", str(run_dir), "--set", f"model.cache_dir={json.dumps(str(tmp_path / 'm'))}",
-        "--set", f"learner.max_steps={STEPS}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        str(REPO / "configs" / "tiny_tools_cpu.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.cache_dir={json.dumps(str(tmp_path / 'm'))}",
+        "--set",
+        f"learner.max_steps={STEPS}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -193,19 +193,34 @@ def test_a_kept_kv_cache_continues_the_next_turn(
     exactly what a plain forward pass over the whole context gives."""
     eng = TorchEngine(tiny_model_dir, seed=0)
     prompts = [eng.encode(p) for p in PROMPTS[:3]]
-    first = eng.generate([
-        GenerationRequest(prompt_tokens=p, n=2, max_new_tokens=5, stop_token_ids=eng.stop_token_ids,
-                          seed=i, cache_keys=(f"{i}a", f"{i}b"))
-        for i, p in enumerate(prompts)
-    ])  # fmt: skip
+    first = eng.generate(
+        [
+            GenerationRequest(
+                prompt_tokens=p,
+                n=2,
+                max_new_tokens=5,
+                stop_token_ids=eng.stop_token_ids,
+                seed=i,
+                cache_keys=(f"{i}a", f"{i}b"),
+            )
+            for i, p in enumerate(prompts)
+        ]
+    )
     assert len(eng.kv) == 6
     turn2 = []
     for i, (prompt, samples) in enumerate(zip(prompts, first, strict=True)):
         for key, sample in zip("ab", samples, strict=True):
             context = [*prompt, *sample.completion_tokens.tolist(), *eng.encode("12:")[1:]]
-            turn2.append(GenerationRequest(prompt_tokens=context, n=1, max_new_tokens=4,
-                                           seed=10 + i, resume_key=f"{i}{key}",
-                                           cache_keys=(f"{i}{key}",)))  # fmt: skip
+            turn2.append(
+                GenerationRequest(
+                    prompt_tokens=context,
+                    n=1,
+                    max_new_tokens=4,
+                    seed=10 + i,
+                    resume_key=f"{i}{key}",
+                    cache_keys=(f"{i}{key}",),
+                )
+            )
     second = eng.generate(turn2)
     assert eng.kv.hits == 6 and eng.kv.misses == 0 and eng.kv.reused_tokens > 0
     _assert_parity(reference, turn2, second)

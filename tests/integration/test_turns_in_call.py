@@ -71,7 +71,7 @@ def first_turn_requests(engine: TorchEngine) -> list[GenerationRequest]:
     return [
         GenerationRequest(
             prompt_tokens=engine.encode(p), n=2, max_new_tokens=2 + 2 * i, stop_token_ids=(), seed=i
-        )  # fmt: skip
+        )
         for i, p in enumerate(PROMPTS)
     ]
 
@@ -87,10 +87,17 @@ def test_a_continued_turn_is_what_a_fresh_request_samples(
     for (req, member), (first, second) in handler.turns.items():
         assert len(first.completion_tokens) == requests[req].max_new_tokens
         context = handler.contexts[(req, member)][1]
-        (fresh,) = engine.generate([GenerationRequest(
-            prompt_tokens=context, n=1, max_new_tokens=3 + member, stop_token_ids=(),
-            seed=1000 + 10 * req + member,
-        )])  # fmt: skip
+        (fresh,) = engine.generate(
+            [
+                GenerationRequest(
+                    prompt_tokens=context,
+                    n=1,
+                    max_new_tokens=3 + member,
+                    stop_token_ids=(),
+                    seed=1000 + 10 * req + member,
+                )
+            ]
+        )
         np.testing.assert_array_equal(second.completion_tokens, fresh[0].completion_tokens)
         np.testing.assert_allclose(second.logprobs, fresh[0].logprobs, atol=1e-4)
         lps = plain_logprobs(model, context, second.completion_tokens)
@@ -155,8 +162,9 @@ class Chat:
         return Step(observation=Observation(text="4" * self.seen + ":"), reward=0.0)
 
 
-def run_episodes(engine: TorchEngine, tok: object, in_call: bool,
-                 limits: EpisodeLimits) -> list[EpisodeGroup]:  # fmt: skip
+def run_episodes(
+    engine: TorchEngine, tok: object, in_call: bool, limits: EpisodeLimits
+) -> list[EpisodeGroup]:
     engine.supports_turns = in_call
     try:
         runner = EpisodeRunner(engine, tok, Chat, limits, workers=0)
@@ -193,8 +201,10 @@ def test_episodes_continued_in_call_equal_episodes_run_turn_by_turn(
             np.testing.assert_array_equal(mx, my)
             np.testing.assert_allclose(lx, ly, atol=1e-4)
             assert (x.finish_reason, x.num_turns, x.reward) == (
-                y.finish_reason, y.num_turns, y.reward
-            )  # fmt: skip
+                y.finish_reason,
+                y.num_turns,
+                y.reward,
+            )
             reasons.add(x.finish_reason)
             if max_episode_tokens:
                 assert len(mx) <= max_episode_tokens
@@ -207,5 +217,6 @@ def test_episodes_continued_in_call_equal_episodes_run_turn_by_turn(
     with torch.no_grad():
         learner_lps, _ = token_logprobs(model, batch, 1.0, share_prompt=False)
     on = batch.mask.bool()
-    np.testing.assert_allclose(learner_lps[on].numpy(), batch.behavior_logprobs[on].numpy(),
-                               atol=2e-3)  # fmt: skip
+    np.testing.assert_allclose(
+        learner_lps[on].numpy(), batch.behavior_logprobs[on].numpy(), atol=2e-3
+    )

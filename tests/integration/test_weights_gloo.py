@@ -261,10 +261,16 @@ def test_an_announcement_with_another_plan_is_refused(plan: BucketPlan) -> None:
     other = BucketPlan.from_params(plan.params(), BUCKET_BYTES * 2)
     receiver = WeightReceiver(other, "actor-a", timeout_s=TIMEOUT_S)
     announcement = {
-        "policy_version": 7, "plan_hash": plan.plan_hash, "backend": "gloo", "epoch": 1,
-        "store_host": "127.0.0.1", "store_port": 1, "world_size": 2, "ranks": {"actor-a": 1},
+        "policy_version": 7,
+        "plan_hash": plan.plan_hash,
+        "backend": "gloo",
+        "epoch": 1,
+        "store_host": "127.0.0.1",
+        "store_port": 1,
+        "world_size": 2,
+        "ranks": {"actor-a": 1},
         "nccl_unique_id": None,
-    }  # fmt: skip
+    }
     try:
         with pytest.raises(ValueError) as err:
             receiver.on_announce(announcement)
@@ -288,10 +294,16 @@ def test_a_malformed_announcement_is_refused_naming_the_field(
 ) -> None:
     receiver = WeightReceiver(plan, "actor-a", timeout_s=TIMEOUT_S)
     announcement = {
-        "policy_version": 7, "plan_hash": plan.plan_hash, "backend": "gloo", "epoch": 1,
-        "store_host": "127.0.0.1", "store_port": 1, "world_size": 2, "ranks": {"actor-a": 1},
+        "policy_version": 7,
+        "plan_hash": plan.plan_hash,
+        "backend": "gloo",
+        "epoch": 1,
+        "store_host": "127.0.0.1",
+        "store_port": 1,
+        "world_size": 2,
+        "ranks": {"actor-a": 1},
         "nccl_unique_id": None,
-    }  # fmt: skip
+    }
     try:
         with pytest.raises(ValueError, match=field):
             receiver.on_announce({**announcement, **change})

@@ -24,10 +24,24 @@ def episode_group(group: EpisodeGroup, group_id: str = "g") -> Group:
     trajectories = []
     for ep in group.episodes:
         tokens, mask, logprobs = ep.trajectory()
-        trajectories.append(Trajectory(
-            tokens=tokens, prompt_len=len(ep.prompt), loss_mask=mask, behavior_logprobs=logprobs,
-            reward=ep.reward, min_policy_version=0, max_policy_version=0,
-            finish_reason=ep.finish_reason, num_turns=ep.num_turns,
-        ))  # fmt: skip
-    return Group.build(group_id=group_id, prompt_id=group.row.prompt_id, credit_id="c",
-                       actor_id="a", seq=0, trajectories=trajectories)  # fmt: skip
+        trajectories.append(
+            Trajectory(
+                tokens=tokens,
+                prompt_len=len(ep.prompt),
+                loss_mask=mask,
+                behavior_logprobs=logprobs,
+                reward=ep.reward,
+                min_policy_version=0,
+                max_policy_version=0,
+                finish_reason=ep.finish_reason,
+                num_turns=ep.num_turns,
+            )
+        )
+    return Group.build(
+        group_id=group_id,
+        prompt_id=group.row.prompt_id,
+        credit_id="c",
+        actor_id="a",
+        seq=0,
+        trajectories=trajectories,
+    )

@@ -43,8 +43,9 @@ def refused(sock: zmq.Socket, frames: list[Any]) -> Error:
     return msg
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S,
-             interval_s: float = 0.05) -> None:  # fmt: skip
+def wait_for(
+    predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S, interval_s: float = 0.05
+) -> None:
     """Poll `predicate` until it holds; fail naming `what` after `timeout_s` (a deadline, never
     a speed assertion)."""
     deadline = time.monotonic() + timeout_s

@@ -43,14 +43,19 @@ def make_group(rng: np.random.Generator, group_id: str, size: int) -> Group:
         tokens = np.concatenate([prompt, rng.integers(4, 16, size=clen).astype(np.int32)])
         trajs.append(
             Trajectory(
-                tokens=tokens, prompt_len=4, loss_mask=np.ones(clen, np.uint8),
+                tokens=tokens,
+                prompt_len=4,
+                loss_mask=np.ones(clen, np.uint8),
                 behavior_logprobs=np.log(rng.uniform(0.03, 0.2, clen)).astype(np.float32),
-                reward=float(rng.random()), min_policy_version=0, max_policy_version=0,
+                reward=float(rng.random()),
+                min_policy_version=0,
+                max_policy_version=0,
                 finish_reason="stop",
             )
-        )  # fmt: skip
-    return Group.build(group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0,
-                       trajectories=trajs)  # fmt: skip
+        )
+    return Group.build(
+        group_id=group_id, prompt_id=group_id, credit_id=0, actor_id="a", seq=0, trajectories=trajs
+    )
 
 
 def make_batch(step: int, num_groups: int = 5, size: int = 6) -> Batch:
@@ -61,11 +66,20 @@ def make_batch(step: int, num_groups: int = 5, size: int = 6) -> Batch:
 
 
 def config(model_dir: str, run_dir: str, overrides: list[str]) -> RunConfig:
-    return load_config(None, [
-        f"model.path={json.dumps(model_dir)}", f"run.run_dir={json.dumps(run_dir)}",
-        "learner.groups_per_step=5", "learner.micro_batch_samples=4", "learner.lr=0.001",
-        "learner.grad_clip=0.5", "loss.name=decoupled_ppo", "actor.temperature=1.0", *overrides,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.path={json.dumps(model_dir)}",
+            f"run.run_dir={json.dumps(run_dir)}",
+            "learner.groups_per_step=5",
+            "learner.micro_batch_samples=4",
+            "learner.lr=0.001",
+            "learner.grad_clip=0.5",
+            "loss.name=decoupled_ppo",
+            "actor.temperature=1.0",
+            *overrides,
+        ],
+    )
 
 
 def main(argv: list[str]) -> int:

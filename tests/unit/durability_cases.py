@@ -25,12 +25,24 @@ def fresh(incarnation: int = 1) -> HubState:
 
 
 def group(actor_id: str, seq: int, credit_id: int, prompt_id: str, version: int) -> Group:
-    traj = Trajectory(tokens=np.arange(6, dtype=np.int32), prompt_len=2,
-                      loss_mask=np.ones(4, np.uint8), behavior_logprobs=np.full(4, -0.5, np.float32),
-                      reward=float(seq), min_policy_version=version, max_policy_version=version,
-                      finish_reason="stop")  # fmt: skip
-    return Group.build(group_id=f"{actor_id}/{seq}", prompt_id=prompt_id, credit_id=credit_id,
-                       actor_id=actor_id, seq=seq, trajectories=[traj, traj])  # fmt: skip
+    traj = Trajectory(
+        tokens=np.arange(6, dtype=np.int32),
+        prompt_len=2,
+        loss_mask=np.ones(4, np.uint8),
+        behavior_logprobs=np.full(4, -0.5, np.float32),
+        reward=float(seq),
+        min_policy_version=version,
+        max_policy_version=version,
+        finish_reason="stop",
+    )
+    return Group.build(
+        group_id=f"{actor_id}/{seq}",
+        prompt_id=prompt_id,
+        credit_id=credit_id,
+        actor_id=actor_id,
+        seq=seq,
+        trajectories=[traj, traj],
+    )
 
 
 def push(state: HubState, holder: bytes, actor_id: str, seq: int, version: int) -> None:
@@ -109,13 +121,27 @@ def recover(tmp_path: Path) -> tuple[HubState, Any]:
 def big_group(actor_id: str, seq: int, credit_id: int, prompt_id: str) -> Group:
     """A group of about 80 KB whose arrays differ from seq to seq."""
     rng = np.random.default_rng(seq)
-    trajs = [Trajectory(tokens=rng.integers(0, 50_000, 4096, dtype=np.int32), prompt_len=96,
-                        loss_mask=np.ones(4000, np.uint8),
-                        behavior_logprobs=-rng.random(4000, dtype=np.float32), reward=float(k),
-                        min_policy_version=0, max_policy_version=0, finish_reason="length")
-             for k in range(2)]  # fmt: skip
-    return Group.build(group_id=f"{actor_id}/{seq}", prompt_id=prompt_id, credit_id=credit_id,
-                       actor_id=actor_id, seq=seq, trajectories=trajs)  # fmt: skip
+    trajs = [
+        Trajectory(
+            tokens=rng.integers(0, 50_000, 4096, dtype=np.int32),
+            prompt_len=96,
+            loss_mask=np.ones(4000, np.uint8),
+            behavior_logprobs=-rng.random(4000, dtype=np.float32),
+            reward=float(k),
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason="length",
+        )
+        for k in range(2)
+    ]
+    return Group.build(
+        group_id=f"{actor_id}/{seq}",
+        prompt_id=prompt_id,
+        credit_id=credit_id,
+        actor_id=actor_id,
+        seq=seq,
+        trajectories=trajs,
+    )
 
 
 def push_big(state: HubState, seq: int) -> int:
@@ -131,9 +157,13 @@ def open_wal(tmp_path: Path, background: bool, **kw: Any) -> tuple[HubState, Wri
     """A log in `tmp_path` and a state journaling to it, with actor "a" and a learner. Its
     snapshots reference only the segment they close unless `keep_segments` says otherwise."""
     state = fresh()
-    wal = WriteAheadLog(tmp_path, fsync=True, background=background,
-                        snapshot_log_bytes=kw.get("snapshot_log_bytes", 1 << 30),
-                        keep_segments=kw.get("keep_segments", 1))  # fmt: skip
+    wal = WriteAheadLog(
+        tmp_path,
+        fsync=True,
+        background=background,
+        snapshot_log_bytes=kw.get("snapshot_log_bytes", 1 << 30),
+        keep_segments=kw.get("keep_segments", 1),
+    )
     wal.recover(state)
     state.journal = wal.journal
     state.begin(1)

@@ -91,7 +91,7 @@ def _golden_messages() -> list[Any]:
             message="kl spiked",
             action="warn",
             evidence={"value": 2.5, "window": [1, 8]},
-        ),  # fmt: skip
+        ),
         Control(action="pause", reason="look"),
         EvalRequest(
             eval_id=2,
@@ -101,7 +101,7 @@ def _golden_messages() -> list[Any]:
             temperature=0.0,
             max_new_tokens=8,
             pass_threshold=1.0,
-        ),  # fmt: skip
+        ),
         EvalResult(
             eval_id=2,
             actor_id="a",
@@ -115,7 +115,7 @@ def _golden_messages() -> list[Any]:
             finish_reasons=["stop", "length"],
             reward_failed=["", ""],
             generate_s=0.125,
-        ),  # fmt: skip
+        ),
         ScoreRequest(request_id=5, prompts=["31:"], completions=["13"], timeout_s=2.0),
         Scores(
             request_id=5,
@@ -124,7 +124,7 @@ def _golden_messages() -> list[Any]:
             model_hash="ab12",
             queue_s=0.25,
             compute_s=0.5,
-        ),  # fmt: skip
+        ),
     ]
 
 

@@ -15,8 +15,16 @@ from replay.prompts import Prompt, PromptSource, credit_seed, load_dataset
 
 
 def available(**kw: Any) -> int:
-    base = dict(policy_version=0, max_staleness=0, groups_per_step=4, consumed=0, ready=0,
-                in_flight=0, stored=0, capacity=1000)  # fmt: skip
+    base = dict(
+        policy_version=0,
+        max_staleness=0,
+        groups_per_step=4,
+        consumed=0,
+        ready=0,
+        in_flight=0,
+        stored=0,
+        capacity=1000,
+    )
     return credits_available(**{**base, **kw})
 
 
@@ -50,14 +58,25 @@ def test_never_negative() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    eta=st.integers(0, 5), version=st.integers(0, 50), batch=st.integers(1, 16),
-    consumed=st.integers(0, 900), ready=st.integers(0, 100), in_flight=st.integers(0, 100),
-)  # fmt: skip
+    eta=st.integers(0, 5),
+    version=st.integers(0, 50),
+    batch=st.integers(1, 16),
+    consumed=st.integers(0, 900),
+    ready=st.integers(0, 100),
+    in_flight=st.integers(0, 100),
+)
 def test_admitted_work_never_exceeds_the_window(
     eta: int, version: int, batch: int, consumed: int, ready: int, in_flight: int
 ) -> None:
-    n = available(max_staleness=eta, policy_version=version, groups_per_step=batch,
-                  consumed=consumed, ready=ready, in_flight=in_flight, stored=ready)  # fmt: skip
+    n = available(
+        max_staleness=eta,
+        policy_version=version,
+        groups_per_step=batch,
+        consumed=consumed,
+        ready=ready,
+        in_flight=in_flight,
+        stored=ready,
+    )
     assert n >= 0
     if n > 0:
         assert (

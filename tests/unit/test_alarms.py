@@ -76,8 +76,9 @@ def test_ess_collapse() -> None:
 
 
 def test_is_weight_blowup() -> None:
-    alarm = fired(edit(stream(), 700, 760, lambda r: r.update(is_weight_max=500.0)),
-                  "is_weight_blowup")  # fmt: skip
+    alarm = fired(
+        edit(stream(), 700, 760, lambda r: r.update(is_weight_max=500.0)), "is_weight_blowup"
+    )
     assert (
         700 < alarm.step <= 700 + CFG.window_steps and alarm.evidence["median"] > CFG.is_weight_max
     )
@@ -110,8 +111,9 @@ def test_reward_jump_with_length_collapse_and_blow_up() -> None:
 
 
 def test_reward_jump_with_entropy_collapse() -> None:
-    rows = edit(stream(), 300, 10**6,
-                lambda r: r.update(reward_mean=1.0, entropy=r["entropy"] * 0.2))  # fmt: skip
+    rows = edit(
+        stream(), 300, 10**6, lambda r: r.update(reward_mean=1.0, entropy=r["entropy"] * 0.2)
+    )
     alarm = fired(rows, "reward_jump_entropy")
     assert 300 < alarm.step <= 300 + 2 * CFG.window_steps
     assert alarm.evidence["recent"] < CFG.entropy_drop_ratio * alarm.evidence["earlier"]

@@ -199,9 +199,14 @@ def test_safetensors_headers_and_named_parameters_agree(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+    )
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(tmp_path)
     learner = BucketPlan.from_params(params_from_module(model), 8192)

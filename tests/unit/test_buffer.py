@@ -15,12 +15,23 @@ from replay.buffer import InsertResult, ReplayBuffer
 
 def group(actor_id: str, seq: int, min_version: int, span: int = 0) -> Group:
     traj = Trajectory(
-        tokens=np.arange(5, dtype=np.int32), prompt_len=3, loss_mask=np.ones(2, np.uint8),
-        behavior_logprobs=np.zeros(2, np.float32), reward=0.0, min_policy_version=min_version,
-        max_policy_version=min_version + span, finish_reason="stop",
-    )  # fmt: skip
-    return Group.build(group_id=f"{actor_id}/{seq}", prompt_id=f"prompt-{actor_id}-{seq}", credit_id=seq,
-                       actor_id=actor_id, seq=seq, trajectories=[traj])  # fmt: skip
+        tokens=np.arange(5, dtype=np.int32),
+        prompt_len=3,
+        loss_mask=np.ones(2, np.uint8),
+        behavior_logprobs=np.zeros(2, np.float32),
+        reward=0.0,
+        min_policy_version=min_version,
+        max_policy_version=min_version + span,
+        finish_reason="stop",
+    )
+    return Group.build(
+        group_id=f"{actor_id}/{seq}",
+        prompt_id=f"prompt-{actor_id}-{seq}",
+        credit_id=seq,
+        actor_id=actor_id,
+        seq=seq,
+        trajectories=[traj],
+    )
 
 
 class BufferMachine(RuleBasedStateMachine):
@@ -45,8 +56,15 @@ class BufferMachine(RuleBasedStateMachine):
     ) -> None:
         times, rate = reuse
         tolerance = max(rate * batch, (batch + rate) / 2) + slack
-        self.buf = ReplayBuffer(capacity=capacity, max_staleness=eta, batch_groups=batch, sampling=sampling,
-                                max_times_sampled=times, samples_per_insert=rate, tolerance=tolerance)  # fmt: skip
+        self.buf = ReplayBuffer(
+            capacity=capacity,
+            max_staleness=eta,
+            batch_groups=batch,
+            sampling=sampling,
+            max_times_sampled=times,
+            samples_per_insert=rate,
+            tolerance=tolerance,
+        )
         self.eta, self.batch, self.times = eta, batch, times
         self.fate: dict[tuple[str, int], str] = {}
         self.samples: dict[tuple[str, int], int] = {}
@@ -197,13 +215,25 @@ def test_limiter_refuses_settings_that_could_deadlock(
     rate: float, tolerance: float, batch: int, times: int, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        ReplayBuffer(capacity=64, max_staleness=1, batch_groups=batch, max_times_sampled=times,
-                     samples_per_insert=rate, tolerance=tolerance)  # fmt: skip
+        ReplayBuffer(
+            capacity=64,
+            max_staleness=1,
+            batch_groups=batch,
+            max_times_sampled=times,
+            samples_per_insert=rate,
+            tolerance=tolerance,
+        )
 
 
 def test_limiter_paces_reuse() -> None:
-    buf = ReplayBuffer(capacity=64, max_staleness=9, batch_groups=2, max_times_sampled=8,
-                       samples_per_insert=2.0, tolerance=4.0)  # fmt: skip
+    buf = ReplayBuffer(
+        capacity=64,
+        max_staleness=9,
+        batch_groups=2,
+        max_times_sampled=8,
+        samples_per_insert=2.0,
+        tolerance=4.0,
+    )
     assert buf.insert_room() == 2
     buf.insert(group("a", 1, 0))
     buf.insert(group("a", 2, 0))

@@ -31,8 +31,16 @@ def test_toml_values_are_applied(tmp_path: Path) -> None:
 
 def test_set_overrides_win_over_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, "[replay]\nmax_staleness = 2\n")
-    cfg = load_config(path, ["replay.max_staleness=0", "actor.engine=vllm", "loss.adv_std_norm=false",
-                             'replay.bind="ipc:///tmp/x"', "weights.timeout_s=2.5"])  # fmt: skip
+    cfg = load_config(
+        path,
+        [
+            "replay.max_staleness=0",
+            "actor.engine=vllm",
+            "loss.adv_std_norm=false",
+            'replay.bind="ipc:///tmp/x"',
+            "weights.timeout_s=2.5",
+        ],
+    )
     assert cfg.replay.max_staleness == 0 and cfg.actor.engine == "vllm"
     assert cfg.loss.adv_std_norm is False and cfg.replay.bind == "ipc:///tmp/x"
     assert cfg.weights.timeout_s == 2.5

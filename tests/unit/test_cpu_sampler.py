@@ -27,8 +27,10 @@ def test_summary_over_the_steady_window(tmp_path: Path) -> None:
     """Steps at t = 100..120 (64 samples each); samples from t = 106: the window is 106 to
     116 (10 s), holding the steps at 107..116 (10 steps). learner 2 -> 6 CPU s, actor 1 -> 2."""
     sampler = CpuSampler(tmp_path)
-    sampler.samples = [(100.0 + t, {"learner": 2.0 + 0.4 * (t - 6), "actor": 1.0 + 0.1 * (t - 6)})
-                       for t in range(1, 17)]  # fmt: skip
+    sampler.samples = [
+        (100.0 + t, {"learner": 2.0 + 0.4 * (t - 6), "actor": 1.0 + 0.1 * (t - 6)})
+        for t in range(1, 17)
+    ]
     sampler.samples += [(117.0, {"actor": 2.2}), (118.0, {})]  # the learner ended: not used
     rows = [{"time": 100.0 + k, "samples": 64} for k in range(21)]
     out = sampler.summary(rows, skip_s=6.0)

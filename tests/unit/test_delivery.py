@@ -22,12 +22,23 @@ from asyncrl.protocol import (
 
 def group(seq: int, credit_id: int) -> Group:
     traj = Trajectory(
-        tokens=np.arange(5, dtype=np.int32), prompt_len=3, loss_mask=np.ones(2, np.uint8),
-        behavior_logprobs=np.zeros(2, np.float32), reward=0.0, min_policy_version=0,
-        max_policy_version=0, finish_reason="stop",
-    )  # fmt: skip
-    return Group.build(group_id=f"g{seq}", prompt_id=f"p{seq}", credit_id=credit_id,
-                       actor_id="a", seq=seq, trajectories=[traj])  # fmt: skip
+        tokens=np.arange(5, dtype=np.int32),
+        prompt_len=3,
+        loss_mask=np.ones(2, np.uint8),
+        behavior_logprobs=np.zeros(2, np.float32),
+        reward=0.0,
+        min_policy_version=0,
+        max_policy_version=0,
+        finish_reason="stop",
+    )
+    return Group.build(
+        group_id=f"g{seq}",
+        prompt_id=f"p{seq}",
+        credit_id=credit_id,
+        actor_id="a",
+        seq=seq,
+        trajectories=[traj],
+    )
 
 
 def credits(*ids: int) -> Credits:

@@ -32,8 +32,12 @@ def parse_asyncrl(argv: list[str]) -> Any:
     from replay import main as replay_main
     from tools import launch
 
-    parsers = {"replay": replay_main.parse_args, "actor": actor_main.parse_args,
-               "learner": learner_main.parse_args, "launch": launch.parse_args}  # fmt: skip
+    parsers = {
+        "replay": replay_main.parse_args,
+        "actor": actor_main.parse_args,
+        "learner": learner_main.parse_args,
+        "launch": launch.parse_args,
+    }
     assert argv[0] in parsers, f"unknown asyncrl subcommand in {argv}"
     return parsers[argv[0]](argv[1:])
 
@@ -114,7 +118,12 @@ def test_services_ports_and_names_agree() -> None:
 def test_learner_rendezvous_is_its_headless_service() -> None:
     all_docs = docs()
     job = next(d for d in all_docs if d["kind"] == "Job")
-    svc = next(d for d in all_docs if d["kind"] == "Service" and d["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"])  # fmt: skip
+    svc = next(
+        d
+        for d in all_docs
+        if d["kind"] == "Service"
+        and d["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"]
+    )
     assert svc["spec"]["clusterIP"] == "None"
     cmd = job["spec"]["template"]["spec"]["containers"][0]["command"]
     master = cmd[cmd.index("--master-addr") + 1]
@@ -130,8 +139,11 @@ def test_volumes_name_existing_objects() -> None:
     for d in all_docs:
         for template in pod_templates(d):
             for vol in template["spec"].get("volumes", []):
-                for kind, key in (("configMap", "name"), ("secret", "secretName"),
-                                  ("persistentVolumeClaim", "claimName")):  # fmt: skip
+                for kind, key in (
+                    ("configMap", "name"),
+                    ("secret", "secretName"),
+                    ("persistentVolumeClaim", "claimName"),
+                ):
                     if kind in vol:
                         assert vol[kind][key] in have, (d["metadata"]["name"], vol)
 

@@ -28,7 +28,7 @@ from replay.wal_records import (
     address,
     pack_record,
     read_records,
-)  # fmt: skip
+)
 
 
 def commits(seed: int) -> list[list[bytes]]:
@@ -62,8 +62,9 @@ def frames_in(path: Path) -> tuple[list[bytes], str]:
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_records_land_where_the_log_says(tmp_path: Path, direct: bool,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_records_land_where_the_log_says(
+    tmp_path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not direct:  # a filesystem that refuses O_DIRECT
         monkeypatch.setattr(direct_io, "_set_direct", lambda fd, on: False)
     path = tmp_path / "wal-3.log"
@@ -95,16 +96,22 @@ def odd_frames(rng: np.random.Generator, sizes: list[int]) -> list[memoryview]:
     return frames
 
 
-def write_placed(path: Path, writer: DirectWriter, commits: list[list[list[memoryview]]],
-                 at: int = 0, place: bool = True) -> int:  # fmt: skip
+def write_placed(
+    path: Path,
+    writer: DirectWriter,
+    commits: list[list[list[memoryview]]],
+    at: int = 0,
+    place: bool = True,
+) -> int:
     """Write each commit of records (lists of frames), each packed for the offset it gets."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     offset = at
     for commit in commits:
         parts: list[object] = []
         for frames in commit:
-            record = pack_record("store", {"n": len(frames)}, frames, seed=3,
-                                 at=offset if place else None)  # fmt: skip
+            record = pack_record(
+                "store", {"n": len(frames)}, frames, seed=3, at=offset if place else None
+            )
             parts += record
             offset += sum(memoryview(p).nbytes for p in record)
         writer.write(fd, [*parts, END], offset - sum(memoryview(p).nbytes for p in parts))

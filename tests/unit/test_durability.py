@@ -91,10 +91,13 @@ def test_an_impossible_length_is_corruption(tmp_path: Path) -> None:
 def test_snapshots_bound_the_log(tmp_path: Path, background: bool) -> None:
     """With `background`, the syncer thread writes and fsyncs every commit (the hub's mode)."""
     state = fresh()
-    size = sum(memoryview(p).nbytes for p in pack_record("store", {"holder": b"a"}, encode(
-        group("a", 0, 1, "p0", 0))))  # fmt: skip
-    wal = WriteAheadLog(tmp_path, fsync=background, snapshot_log_bytes=20 * size,
-                        background=background)  # fmt: skip
+    size = sum(
+        memoryview(p).nbytes
+        for p in pack_record("store", {"holder": b"a"}, encode(group("a", 0, 1, "p0", 0)))
+    )
+    wal = WriteAheadLog(
+        tmp_path, fsync=background, snapshot_log_bytes=20 * size, background=background
+    )
     wal.recover(state)
     state.journal = wal.journal
     state.actor_hello(b"a", "a", session=1)

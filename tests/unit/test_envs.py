@@ -170,8 +170,9 @@ def test_calculator(expression: str, value: str) -> None:
     ["__import__('os').system('true')", "x + 1", "9 ** 999", "1 / 0", "(1).real", "'a' * 3"],
 )
 def test_calculator_runs_no_code_and_refuses_with_a_reason(expression: str) -> None:
-    result = Toolbox(["calculator"]).call(ToolCall("calculator", {"expression": expression}),
-                                          Row(prompt_id="p", prompt="x"))  # fmt: skip
+    result = Toolbox(["calculator"]).call(
+        ToolCall("calculator", {"expression": expression}), Row(prompt_id="p", prompt="x")
+    )
     assert not result.ok and result.text
 
 
@@ -200,8 +201,9 @@ def test_a_users_tool_is_registered_with_its_schema() -> None:
         return text[::-1]
 
     try:
-        result = Toolbox(["reverse_text"]).call(ToolCall("reverse_text", {"text": "abc"}),
-                                                Row(prompt_id="p"))  # fmt: skip
+        result = Toolbox(["reverse_text"]).call(
+            ToolCall("reverse_text", {"text": "abc"}), Row(prompt_id="p")
+        )
         assert result.ok and result.text == "cba"
         with pytest.raises(ValueError, match="registered already"):
             tool("reverse_text", "again", {})(reverse_text)
@@ -213,8 +215,7 @@ def test_a_users_tool_is_registered_with_its_schema() -> None:
 
 
 def test_tool_env_multi_turn_budget_and_tool_error() -> None:
-    task = TaskConfig(name="tools", tools="calculator", max_tool_calls=2,
-                      max_tool_errors=2)  # fmt: skip
+    task = TaskConfig(name="tools", tools="calculator", max_tool_calls=2, max_tool_errors=2)
     env = make_tools_env(task)
     row = Row(prompt_id="p", prompt="What is 6*7?", answer="42")
     first = env.reset(row, seed=0)
@@ -278,16 +279,35 @@ def test_the_learner_logs_how_episodes_went() -> None:
     from learner.loop import episode_metrics
 
     def traj(reason: str, turns: int, failed: str = "") -> Trajectory:
-        return Trajectory(tokens=np.arange(6, dtype=np.int32), prompt_len=2,
-                          loss_mask=np.ones(4, np.uint8), behavior_logprobs=np.zeros(4, np.float32),
-                          reward=0.0, min_policy_version=0, max_policy_version=0,
-                          finish_reason=reason, reward_failed=failed, num_turns=turns,
-                          tool_s=0.5, env_s=1.0)  # fmt: skip
+        return Trajectory(
+            tokens=np.arange(6, dtype=np.int32),
+            prompt_len=2,
+            loss_mask=np.ones(4, np.uint8),
+            behavior_logprobs=np.zeros(4, np.float32),
+            reward=0.0,
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason=reason,
+            reward_failed=failed,
+            num_turns=turns,
+            tool_s=0.5,
+            env_s=1.0,
+        )
 
-    group = Group.build(group_id="g", prompt_id="p", credit_id="c", actor_id="a", seq=0,
-                        trajectories=[traj("stop", 3), traj("tool_error", 2, "bad"),
-                                      traj("stop", 1), traj("turn_limit", 4)],
-                        metadata={"tool_calls": 6, "malformed_calls": 2})  # fmt: skip
+    group = Group.build(
+        group_id="g",
+        prompt_id="p",
+        credit_id="c",
+        actor_id="a",
+        seq=0,
+        trajectories=[
+            traj("stop", 3),
+            traj("tool_error", 2, "bad"),
+            traj("stop", 1),
+            traj("turn_limit", 4),
+        ],
+        metadata={"tool_calls": 6, "malformed_calls": 2},
+    )
     out = episode_metrics([group])
     assert out["finish/stop"] == 0.5 and out["finish/tool_error"] == 0.25
     assert out["reward_failed_frac"] == 0.25 and out["turns_mean"] == 2.5

@@ -24,14 +24,21 @@ def a_group(length: int, prompt: int = 3) -> Group:
     """A valid group of two trajectories whose arrays have odd byte lengths."""
     rng = np.random.default_rng(length)
     trajs = [
-        Trajectory(tokens=rng.integers(0, 100, length, dtype=np.int32), prompt_len=prompt,
-                   loss_mask=np.ones(length - prompt, np.uint8),
-                   behavior_logprobs=-rng.random(length - prompt, dtype=np.float32), reward=1.0,
-                   min_policy_version=0, max_policy_version=0, finish_reason="stop")
+        Trajectory(
+            tokens=rng.integers(0, 100, length, dtype=np.int32),
+            prompt_len=prompt,
+            loss_mask=np.ones(length - prompt, np.uint8),
+            behavior_logprobs=-rng.random(length - prompt, dtype=np.float32),
+            reward=1.0,
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason="stop",
+        )
         for _ in range(2)
-    ]  # fmt: skip
-    return Group.build(group_id="g", prompt_id="p", credit_id=1, actor_id="a", seq=length,
-                       trajectories=trajs)  # fmt: skip
+    ]
+    return Group.build(
+        group_id="g", prompt_id="p", credit_id=1, actor_id="a", seq=length, trajectories=trajs
+    )
 
 
 def flat(frames: list[Any]) -> list[bytes]:

@@ -30,8 +30,20 @@ scan_values = hotpath.values_ok if hotpath is not None else None
 
 SLACK32 = np.float32(LOGPROB_SLACK)  # the slack as the arrays compare it (NumPy 2: in float32)
 ABOVE = float(np.nextafter(SLACK32, np.float32(1)))  # the first float32 above it
-EDGES = [0.0, -0.0, -1.0, LOGPROB_SLACK, float(SLACK32), ABOVE, math.inf, -math.inf, math.nan,
-         -3.4e38, 1e-45, -1e-45]  # fmt: skip
+EDGES = [
+    0.0,
+    -0.0,
+    -1.0,
+    LOGPROB_SLACK,
+    float(SLACK32),
+    ABOVE,
+    math.inf,
+    -math.inf,
+    math.nan,
+    -3.4e38,
+    1e-45,
+    -1e-45,
+]
 
 
 def test_the_extension_is_built() -> None:
@@ -68,7 +80,11 @@ def test_scan_agrees_with_numpy(case: tuple[list[int], list[int], list[float], i
 @pytest.mark.parametrize("bad", ["token", "mask", "nan", "-inf", "above_slack"])
 @pytest.mark.parametrize("where", [0, 17, 4095])  # the first, a middle, the last element
 def test_one_bad_value_anywhere_fails(bad: str, where: int) -> None:
-    t, m, p = np.arange(4096, dtype=np.int32), np.ones(4096, np.uint8), np.full(4096, -0.5, np.float32)  # fmt: skip
+    t, m, p = (
+        np.arange(4096, dtype=np.int32),
+        np.ones(4096, np.uint8),
+        np.full(4096, -0.5, np.float32),
+    )
     p[-1] = SLACK32  # the largest value allowed
     assert scanned(t, m, p) and _values_ok(t, m, p)
     if bad == "token":
@@ -163,7 +179,7 @@ EDITS = {  # each breaks one rule (or none: "fine")
             "reward_failed",
             "trajectory_ids",
         )
-    },  # fmt: skip
+    },
     "prompt_over_seq": {"prompt_lens": [6]},
     "lo_over_hi": {"min_policy_versions": [4]},
     "turns_length": {"num_turns": [1, 2]},
@@ -188,16 +204,25 @@ def test_finish_agrees_on_every_broken_rule(edit: str, values: bool) -> None:
     out = agree(rewritten(G, **EDITS[edit]), values)
     if edit.startswith("fine"):
         assert out is not None
-    elif values or edit not in ("prompt_over_seq", "lo_over_hi", "turns_length",
-                                "components_length", "bad_spans"):  # fmt: skip
+    elif values or edit not in (
+        "prompt_over_seq",
+        "lo_over_hi",
+        "turns_length",
+        "components_length",
+        "bad_spans",
+    ):
         assert out is None  # only the rules between fields wait for values=True
 
 
 @pytest.mark.parametrize("frames", ["extra", "missing", "short_tokens", "long_mask"])
 def test_finish_agrees_on_frames_that_do_not_fit(frames: str) -> None:
     head, tokens, mask, lp = G
-    cases = {"extra": [head, tokens, mask, lp, b""], "missing": [head, tokens, mask],
-             "short_tokens": [head, tokens[:-4], mask, lp], "long_mask": [head, tokens, mask + b"\0", lp]}  # fmt: skip
+    cases = {
+        "extra": [head, tokens, mask, lp, b""],
+        "missing": [head, tokens, mask],
+        "short_tokens": [head, tokens[:-4], mask, lp],
+        "long_mask": [head, tokens, mask + b"\0", lp],
+    }
     for values in (True, False):
         assert agree(cases[frames], values) is None
 

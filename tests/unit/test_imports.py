@@ -8,8 +8,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ["asyncrl.config", "asyncrl.protocol", "asyncrl.transport", "asyncrl.auth", "asyncrl.cli",
-           "replay.buffer", "replay.admission", "replay.prompts", "replay.server", "replay.main"]  # fmt: skip
+MODULES = [
+    "asyncrl.config",
+    "asyncrl.protocol",
+    "asyncrl.transport",
+    "asyncrl.auth",
+    "asyncrl.cli",
+    "replay.buffer",
+    "replay.admission",
+    "replay.prompts",
+    "replay.server",
+    "replay.main",
+]
 
 PROBE = """
 import importlib, json, sys
@@ -21,8 +31,13 @@ print(json.dumps(heavy))
 
 
 def test_core_and_replay_do_not_import_torch_or_vllm() -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE, *MODULES], cwd=REPO, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *MODULES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
@@ -37,6 +52,11 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "ray")))
 def test_ray_stays_optional() -> None:
     """Every process role and the launcher module itself import Ray only when launching."""
     roles = ["asyncrl.run", "actors.actor_main", "learner.loop", "replay.main", "tools.launch"]
-    out = subprocess.run([sys.executable, "-c", RAY_PROBE, *roles], cwd=REPO, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", RAY_PROBE, *roles],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -104,8 +104,9 @@ def test_grades_parse_from_json_or_a_final_line(text: str, grade: float) -> None
     assert parse_grade(text, 10.0) == grade
 
 
-@pytest.mark.parametrize("text", ["", "I think it deserves a 7", "Grade: 11", "Grade: seven",
-                                  "Grade: 7\nbut maybe not"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text", ["", "I think it deserves a 7", "Grade: 11", "Grade: seven", "Grade: 7\nbut maybe not"]
+)
 def test_unparsable_grades_are_errors_with_a_reason(text: str) -> None:
     with pytest.raises(ValueError, match="grade"):
         parse_grade(text, 10.0)
@@ -170,8 +171,11 @@ def test_grades_are_cached_by_rubric_prompt_and_response() -> None:
     values(judge, ["It is 42.", "It is 41."])
     values(judge, ["It is 42.", "It is 40."])
     assert len(backend.prompts) == 3 and judge.stats["cache_hits"] == 1
-    other = JudgeComponent(backend, rubric="Other rubric {prompt} {response} {reference} "
-                           "{max_grade}\n<response>{response}</response>\nGrade: ")  # fmt: skip
+    other = JudgeComponent(
+        backend,
+        rubric="Other rubric {prompt} {response} {reference} "
+        "{max_grade}\n<response>{response}</response>\nGrade: ",
+    )
     assert other.key(item("It is 42.")) != judge.key(item("It is 42."))
 
 
@@ -242,8 +246,13 @@ def test_engine_judge_runs_the_tiny_model(tiny_model_dir: Path) -> None:
 
     from actors.engines.torch_engine import TorchEngine
 
-    backend = EngineJudge(TorchEngine(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir),
-                          max_new_tokens=4, max_concurrency=2, max_prompt_tokens=32)  # fmt: skip
+    backend = EngineJudge(
+        TorchEngine(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        max_new_tokens=4,
+        max_concurrency=2,
+        max_prompt_tokens=32,
+    )
     judge = JudgeComponent(backend)
     results = judge.submit([item(t) for t in ("12", "34", "56")]).result(timeout=120)
     assert backend.calls == [2, 1]  # bounded: at most 2 prompts per engine call

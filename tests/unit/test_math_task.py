@@ -58,8 +58,7 @@ def test_math_verify_scores_equivalent_answers(worker: VerifyWorker) -> None:
 
 
 def test_hedged_answers_score_zero(worker: VerifyWorker) -> None:
-    for text in ("\\boxed{41} \\boxed{42} \\boxed{43}", "\\boxed{40, 41, 42}",
-                 "Answer: 41 or 42"):  # fmt: skip
+    for text in ("\\boxed{41} \\boxed{42} \\boxed{43}", "\\boxed{40, 41, 42}", "Answer: 41 or 42"):
         reward, info = step(worker, text)
         assert reward == 0.0 and info["flags"] == ["hedged"], text
 
@@ -111,10 +110,12 @@ def test_math_canaries_through_the_live_path(worker: VerifyWorker) -> None:
     from asyncrl.config import RewardConfig
 
     lines: list[str] = []
-    pipe = RewardPipeline([TaskComponent()], ComposeRule.from_config(RewardConfig()),
-                          log=lines.append)  # fmt: skip
-    runner = CanaryRunner(make_canaries(TaskConfig(name="math")), lambda: MathEnv(worker),
-                          every=1, log=lines.append)  # fmt: skip
+    pipe = RewardPipeline(
+        [TaskComponent()], ComposeRule.from_config(RewardConfig()), log=lines.append
+    )
+    runner = CanaryRunner(
+        make_canaries(TaskConfig(name="math")), lambda: MathEnv(worker), every=1, log=lines.append
+    )
     report = runner.run(pipe.score_items, policy_version=0)
     assert report["alarms"] == [] and report["missed"] == [] and not lines
 
@@ -124,7 +125,11 @@ def test_math_canaries_through_the_live_path(worker: VerifyWorker) -> None:
         def check(self, gold: str, answer: str) -> tuple[bool, str]:
             return True, ""
 
-    lenient = CanaryRunner(make_canaries(TaskConfig(name="math")), lambda: MathEnv(Lenient()),
-                           every=1, log=lines.append)  # fmt: skip
+    lenient = CanaryRunner(
+        make_canaries(TaskConfig(name="math")),
+        lambda: MathEnv(Lenient()),
+        every=1,
+        log=lines.append,
+    )
     labels = {a["label"] for a in lenient.run(pipe.score_items, 0)["alarms"]}
     assert labels == {"wrong", "early_then_wrong"} and lines[0].startswith("ALARM")

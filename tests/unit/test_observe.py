@@ -36,25 +36,41 @@ def test_wandb_configured_but_missing_fails_naming_the_key(
 def multi_turn_trajectory() -> Trajectory:
     """Prompt [1, 2]; model turn [10, 11]; tool output [20, 21, 22] (mask 0); model turn [12]."""
     return Trajectory(
-        tokens=np.array([1, 2, 10, 11, 20, 21, 22, 12], np.int32), prompt_len=2,
+        tokens=np.array([1, 2, 10, 11, 20, 21, 22, 12], np.int32),
+        prompt_len=2,
         loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
-        behavior_logprobs=np.array([-1.0, -2.0, 0, 0, 0, -0.5], np.float32), reward=0.75,
-        min_policy_version=3, max_policy_version=4, finish_reason="stop", num_turns=2,
-    )  # fmt: skip
+        behavior_logprobs=np.array([-1.0, -2.0, 0, 0, 0, -0.5], np.float32),
+        reward=0.75,
+        min_policy_version=3,
+        max_policy_version=4,
+        finish_reason="stop",
+        num_turns=2,
+    )
 
 
 def multi_turn_group() -> Group:
-    return Group.build(group_id="a/0", prompt_id="p-1", credit_id=7, actor_id="a", seq=0,
-                       trajectories=[multi_turn_trajectory()],
-                       reward_components={"position": [0.5], "multiset": [1.0]})  # fmt: skip
+    return Group.build(
+        group_id="a/0",
+        prompt_id="p-1",
+        credit_id=7,
+        actor_id="a",
+        seq=0,
+        trajectories=[multi_turn_trajectory()],
+        reward_components={"position": [0.5], "multiset": [1.0]},
+    )
 
 
 def test_multi_turn_trajectory_round_trips_and_shows_turn_by_turn(tmp_path: Path) -> None:
     group = multi_turn_group()
     learner = [np.array([-1.5, -2.0, 0, 0, 0, -0.25], np.float32)]
-    columns = {"learner_logprobs": learner, "train_version": np.array([5]),
-               "learner_version": np.array([5]), "staleness": np.array([2]),
-               "advantage": np.array([0.0]), "task": ["lookup"]}  # fmt: skip
+    columns = {
+        "learner_logprobs": learner,
+        "train_version": np.array([5]),
+        "learner_version": np.array([5]),
+        "staleness": np.array([2]),
+        "advantage": np.array([0.0]),
+        "task": ["lookup"],
+    }
     writer = TrajectoryWriter(tmp_path, TrajectoriesConfig(), {"tokenizer_dir": ""})
     writer.write_sample(6, build_table(6, [group], [Kept(0, 0, "sample")], columns))
     record = load_table(tmp_path).record(0)
@@ -90,14 +106,28 @@ def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> N
     from learner.observe import LearnerObserver
     from learner.reward_monitor import RewardMonitor
 
-    learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
-                              step=0, policy_version=0, live=None, stop_event=threading.Event())  # fmt: skip
+    learner = SimpleNamespace(
+        cfg=RunConfig(),
+        run_dir=tmp_path,
+        model_dir=tmp_path,
+        conn=None,
+        step=0,
+        policy_version=0,
+        live=None,
+        stop_event=threading.Event(),
+    )
     observer = LearnerObserver(learner)  # type: ignore[arg-type]
     monitor = RewardMonitor(RewardConfig(alarm_saturate_steps=2), tmp_path)
     traj = multi_turn_trajectory()
-    group = Group.build(group_id="a/1", prompt_id="p-2", credit_id=8, actor_id="a", seq=1,
-                        trajectories=[traj, traj],
-                        reward_components={"format": [1.0, 1.0], "task": [0.0, 1.0]})  # fmt: skip
+    group = Group.build(
+        group_id="a/1",
+        prompt_id="p-2",
+        credit_id=8,
+        actor_id="a",
+        seq=1,
+        trajectories=[traj, traj],
+        reward_components={"format": [1.0, 1.0], "task": [0.0, 1.0]},
+    )
     for step in range(3):
         monitor.step(step, [group], {"reward_mean": 0.5, "policy_version": 10 + step})
     for alarm in monitor.take_alarms():
@@ -115,22 +145,35 @@ def test_outliers_are_judged_against_the_recent_steps(tmp_path: Path) -> None:
     from asyncrl.config import RunConfig
     from learner.observe import LearnerObserver
 
-    learner = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, model_dir=tmp_path, conn=None,
-                              step=0, policy_version=0, live=None, stop_event=threading.Event())  # fmt: skip
+    learner = SimpleNamespace(
+        cfg=RunConfig(),
+        run_dir=tmp_path,
+        model_dir=tmp_path,
+        conn=None,
+        step=0,
+        policy_version=0,
+        live=None,
+        stop_event=threading.Event(),
+    )
     observer = LearnerObserver(learner)  # type: ignore[arg-type]
 
     def batch(rewards: list[float], completion: int = 4) -> SimpleNamespace:
         trajectories = []
         for reward in rewards:
             traj = Trajectory(
-                tokens=np.arange(2 + completion, dtype=np.int32), prompt_len=2,
+                tokens=np.arange(2 + completion, dtype=np.int32),
+                prompt_len=2,
                 loss_mask=np.ones(completion, np.uint8),
-                behavior_logprobs=np.zeros(completion, np.float32), reward=reward,
-                min_policy_version=0, max_policy_version=0, finish_reason="stop",
-            )  # fmt: skip
+                behavior_logprobs=np.zeros(completion, np.float32),
+                reward=reward,
+                min_policy_version=0,
+                max_policy_version=0,
+                finish_reason="stop",
+            )
             trajectories.append(traj)
-        group = Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
-                            trajectories=trajectories)  # fmt: skip
+        group = Group.build(
+            group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0, trajectories=trajectories
+        )
         return SimpleNamespace(groups=[group])
 
     for _ in range(6):  # rewards around 0.5 (std 0.1), 4-token completions
@@ -163,9 +206,16 @@ def test_the_final_evaluation_is_waited_for_only_when_this_process_made_it_due(
     from asyncrl.config import load_config
     from learner.observe import LearnerObserver
 
-    learner = SimpleNamespace(cfg=load_config(None, settings), run_dir=tmp_path,
-                              model_dir=tmp_path, conn=None, step=0, policy_version=first,
-                              live=None, stop_event=threading.Event())  # fmt: skip
+    learner = SimpleNamespace(
+        cfg=load_config(None, settings),
+        run_dir=tmp_path,
+        model_dir=tmp_path,
+        conn=None,
+        step=0,
+        policy_version=first,
+        live=None,
+        stop_event=threading.Event(),
+    )
     observer = LearnerObserver(learner)  # type: ignore[arg-type]
     if waits_for is None:
         assert observer.wait_final_eval(

@@ -67,8 +67,19 @@ def test_arbitrary_bytes_raise_only_protocol_errors(frames: list[bytes]) -> None
         pass
 
 
-@pytest.mark.parametrize("name", ["StatusRequest", "Status", "AlarmRaised", "Control",
-                                  "EvalRequest", "EvalResult", "Credits", "Group"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "StatusRequest",
+        "Status",
+        "AlarmRaised",
+        "Control",
+        "EvalRequest",
+        "EvalResult",
+        "Credits",
+        "Group",
+    ],
+)
 def test_a_field_replaced_by_anything_decodes_or_raises_protocol_error(name: str) -> None:
     @FAST
     @given(st.data())
@@ -167,18 +178,25 @@ def test_non_finite_or_positive_logprobs(bad: float) -> None:
 @pytest.mark.parametrize("length", [5, 40_000])  # below and above group_codec._ARG_BELOW (floats)
 @pytest.mark.parametrize(
     ("field", "bad"),
-    [("tokens", -1), ("loss_mask", 2), ("behavior_logprobs", math.nan),
-     ("behavior_logprobs", -math.inf), ("behavior_logprobs", math.inf)],
-)  # fmt: skip
+    [
+        ("tokens", -1),
+        ("loss_mask", 2),
+        ("behavior_logprobs", math.nan),
+        ("behavior_logprobs", -math.inf),
+        ("behavior_logprobs", math.inf),
+    ],
+)
 @pytest.mark.parametrize("where", [0, -1])
 def test_value_scans_find_a_bad_entry_anywhere_at_any_length(
     length: int, field: str, bad: float, where: int
 ) -> None:
     """Small arrays are scanned with argmin/argmax, large ones with reductions: both refuse
     the same entries, wherever they sit, and accept the clean group."""
-    arrays = {"tokens": np.arange(length, dtype=np.int32),
-              "loss_mask": np.ones(length - 1, np.uint8),
-              "behavior_logprobs": -np.linspace(0.0, 3.0, length - 1, dtype=np.float32)}  # fmt: skip
+    arrays = {
+        "tokens": np.arange(length, dtype=np.int32),
+        "loss_mask": np.ones(length - 1, np.uint8),
+        "behavior_logprobs": -np.linspace(0.0, 3.0, length - 1, dtype=np.float32),
+    }
     group = dataclasses.replace(GROUP, seq_lens=[length], prompt_lens=[1], **arrays)
     assert isinstance(decode(encode(group)), Group)
     bad_array = arrays[field].copy()
@@ -242,7 +260,16 @@ def test_received_frames_are_forwarded_without_copies() -> None:
     )  # the very frames received, the group's header among them
     assert same(decode(wire(batch)), batch)
     partial = np.frombuffer(received[1].buffer[4:], np.int32)  # a view of part of a frame
-    assert not isinstance(encode(dataclasses.replace(GROUP, tokens=partial, seq_lens=[4], prompt_lens=[3],
-                                                     loss_mask=GROUP.loss_mask[:1],
-                                                     behavior_logprobs=GROUP.behavior_logprobs[:1]))[1],
-                          zmq.Frame)  # fmt: skip
+    assert not isinstance(
+        encode(
+            dataclasses.replace(
+                GROUP,
+                tokens=partial,
+                seq_lens=[4],
+                prompt_lens=[3],
+                loss_mask=GROUP.loss_mask[:1],
+                behavior_logprobs=GROUP.behavior_logprobs[:1],
+            )
+        )[1],
+        zmq.Frame,
+    )

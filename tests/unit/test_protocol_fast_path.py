@@ -98,9 +98,12 @@ def test_compiled_fast_path_takes_only_what_the_generic_path_takes() -> None:
     def fast(raw: bytes) -> bool:
         return decode_group([memoryview(raw), *map(memoryview, frames[1:])], True) is not None
 
-    refused = [frames[0] + b"\x01", msgpack.packb({**head, "metadata": {1: 2}}),
-               msgpack.packb({**head, "metadata": {"a": {1: 2}}}),
-               msgpack.packb({**head, "unknown": {1: 2}})]  # fmt: skip
+    refused = [
+        frames[0] + b"\x01",
+        msgpack.packb({**head, "metadata": {1: 2}}),
+        msgpack.packb({**head, "metadata": {"a": {1: 2}}}),
+        msgpack.packb({**head, "unknown": {1: 2}}),
+    ]
     for raw in refused:
         assert not fast(raw)
         assert rejected([raw, *frames[1:]]).field == "header"
@@ -129,9 +132,12 @@ def test_credits_fast_path_takes_only_what_the_generic_path_takes() -> None:
         "group_size": {**head, "group_size": True},
         "items[0].seed": {**head, "items": [{**one, "seed": 1.0}]},
         "items[0].prompt": {**head, "items": [{**one, "prompt": b"x"}]},
-        "items[0].credit_id": {**head, "items": [{k: v for k, v in one.items() if k != "credit_id"}]},
+        "items[0].credit_id": {
+            **head,
+            "items": [{k: v for k, v in one.items() if k != "credit_id"}],
+        },
         "items[0]": {**head, "items": [7]},
-    }  # fmt: skip
+    }
     for field, edited_head in refused.items():
         raw = msgpack.packb(edited_head)
         assert decode_credits([memoryview(raw)]) is None
@@ -147,12 +153,25 @@ def test_credits_fast_path_takes_only_what_the_generic_path_takes() -> None:
 
 
 def test_version_spans_must_describe_the_versions() -> None:
-    traj = Trajectory(tokens=np.arange(7, dtype=np.int32), prompt_len=2,
-                      loss_mask=np.ones(5, np.uint8), behavior_logprobs=np.zeros(5, np.float32),
-                      reward=1.0, min_policy_version=3, max_policy_version=5,
-                      finish_reason="stop", version_spans=(0, 3, 2, 4, 4, 5))  # fmt: skip
-    group = Group.build(group_id="g", prompt_id="p", credit_id=1, actor_id="a", seq=0,
-                        trajectories=[traj, dataclasses.replace(traj, version_spans=(0, 3, 1, 5))])  # fmt: skip
+    traj = Trajectory(
+        tokens=np.arange(7, dtype=np.int32),
+        prompt_len=2,
+        loss_mask=np.ones(5, np.uint8),
+        behavior_logprobs=np.zeros(5, np.float32),
+        reward=1.0,
+        min_policy_version=3,
+        max_policy_version=5,
+        finish_reason="stop",
+        version_spans=(0, 3, 2, 4, 4, 5),
+    )
+    group = Group.build(
+        group_id="g",
+        prompt_id="p",
+        credit_id=1,
+        actor_id="a",
+        seq=0,
+        trajectories=[traj, dataclasses.replace(traj, version_spans=(0, 3, 1, 5))],
+    )
     assert group.version_spans == [0, 0, 3, 0, 2, 4, 0, 4, 5, 1, 0, 3, 1, 1, 5]
     back = decode(wire(group))
     assert back.trajectories()[0].token_versions().tolist() == [3, 3, 4, 4, 5]
@@ -186,8 +205,11 @@ def test_embedded_groups_are_whole_messages_checked_as_such() -> None:
     assert rejected(edited(batch, groups=[0])).field == "groups[0]"
     assert rejected(edited(batch, groups=[{"seq": 1}])).field == "groups[0]"
     assert rejected(edited(batch, groups=4)).field == "groups"
-    for key, value, field in (("protocol", 1, "groups[0].protocol"), ("type", "Batch", "groups[0].type"),
-                              ("seq_lens", [9], "groups[0].tokens")):  # fmt: skip
+    for key, value, field in (
+        ("protocol", 1, "groups[0].protocol"),
+        ("type", "Batch", "groups[0].type"),
+        ("seq_lens", [9], "groups[0].tokens"),
+    ):
         head = msgpack.packb({**group_head, key: value})
         assert rejected([frames[0], head, *frames[2:]]).field == field, key
     assert rejected([frames[0], b"\xc1", *frames[2:]]).field == "groups[0].header"
@@ -217,9 +239,11 @@ def test_batches_from_the_hub_skip_only_what_the_hub_checked() -> None:
     bad_reason = [frames[0], msgpack.packb({**head, "finish_reasons": ["x"]}), *frames[2:]]
     assert rejected(bad_reason).field == trusted_refusal(bad_reason) == "groups[0].finish_reasons"
     assert trusted_refusal([*frames[:4], frames[4][:-1]]) == "groups[0].behavior_logprobs"
-    for key, value, field in (("rewards", [1.0, 2.0], "groups[0].rewards"),
-                              ("seq_lens", [9], "groups[0].tokens"),
-                              ("prompt_lens", ["a"], "groups[0].prompt_lens")):  # fmt: skip
+    for key, value, field in (
+        ("rewards", [1.0, 2.0], "groups[0].rewards"),
+        ("seq_lens", [9], "groups[0].tokens"),
+        ("prompt_lens", ["a"], "groups[0].prompt_lens"),
+    ):
         assert (
             trusted_refusal([frames[0], msgpack.packb({**head, key: value}), *frames[2:]]) == field
         )

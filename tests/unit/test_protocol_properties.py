@@ -16,9 +16,15 @@ from asyncrl.protocol import MESSAGE_TYPES, BatchAck, Hello, ProtocolError, Welc
 
 PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WRONG = {  # a value of each msgpack kind, and the kinds it stands in for
-    "int": 7, "str": "x", "float": 0.5, "bool": True, "list": [1, "a"], "map": {"k": 1},
-    "bytes": b"\x00", "nil": None,
-}  # fmt: skip
+    "int": 7,
+    "str": "x",
+    "float": 0.5,
+    "bool": True,
+    "list": [1, "a"],
+    "map": {"k": 1},
+    "bytes": b"\x00",
+    "nil": None,
+}
 
 
 def kind_of(value: Any) -> str:
@@ -77,9 +83,16 @@ def test_truncated_or_extended_frames_raise_only_protocol_errors(cls: type) -> N
 @given(st.integers(0, 2**62), st.integers(0, 2**62), st.booleans())
 def test_delivery_fields_round_trip(request_id: int, seq: int, acks: bool) -> None:
     assert decode(encode(BatchAck(request_id=request_id))) == BatchAck(request_id=request_id)
-    welcome = Welcome(client_id="a", policy_version=1, heartbeat_interval_s=1.0,
-                      max_staleness=2, next_seq=seq)  # fmt: skip
+    welcome = Welcome(
+        client_id="a", policy_version=1, heartbeat_interval_s=1.0, max_staleness=2, next_seq=seq
+    )
     assert decode(encode(welcome)) == welcome
-    hello = Hello(role="actor", client_id="a", protocol_version=1, config_hash="h",
-                  session=seq, acks_batches=acks)  # fmt: skip
+    hello = Hello(
+        role="actor",
+        client_id="a",
+        protocol_version=1,
+        config_hash="h",
+        session=seq,
+        acks_batches=acks,
+    )
     assert decode(encode(hello)) == hello

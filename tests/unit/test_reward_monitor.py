@@ -14,13 +14,29 @@ from learner.reward_monitor import RewardMonitor, component_means
 
 def group(components: dict[str, list[float]], metadata: dict | None = None) -> Group:
     n = len(next(iter(components.values())))
-    trajs = [Trajectory(tokens=np.arange(3, dtype=np.int32), prompt_len=1,
-                        loss_mask=np.ones(2, np.uint8), behavior_logprobs=np.zeros(2, np.float32),
-                        reward=0.0, min_policy_version=0, max_policy_version=0,
-                        finish_reason="stop") for _ in range(n)]  # fmt: skip
-    return Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
-                       trajectories=trajs, reward_components=components,
-                       metadata=metadata)  # fmt: skip
+    trajs = [
+        Trajectory(
+            tokens=np.arange(3, dtype=np.int32),
+            prompt_len=1,
+            loss_mask=np.ones(2, np.uint8),
+            behavior_logprobs=np.zeros(2, np.float32),
+            reward=0.0,
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason="stop",
+        )
+        for _ in range(n)
+    ]
+    return Group.build(
+        group_id="g",
+        prompt_id="p",
+        credit_id=0,
+        actor_id="a",
+        seq=0,
+        trajectories=trajs,
+        reward_components=components,
+        metadata=metadata,
+    )
 
 
 def test_component_means_per_step() -> None:

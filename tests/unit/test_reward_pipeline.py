@@ -27,11 +27,19 @@ from actors.rewards.pipeline import RewardPipeline
 from asyncrl.config import RewardConfig, RunConfig, TaskConfig
 
 
-def item(completion: str = "1134", reward: float = 1.0, tokens: int = 5, failed: str = "") -> ScoreItem:  # fmt: skip
+def item(
+    completion: str = "1134", reward: float = 1.0, tokens: int = 5, failed: str = ""
+) -> ScoreItem:
     row = Row(prompt_id="p", prompt="3141:", answer="1134")
     step = Step(reward=reward, done=True, finish_reason="stop")
-    return ScoreItem(row=row, prompt="3141:", completion=completion, step=step,
-                     task_failed=failed, num_completion_tokens=tokens)  # fmt: skip
+    return ScoreItem(
+        row=row,
+        prompt="3141:",
+        completion=completion,
+        step=step,
+        task_failed=failed,
+        num_completion_tokens=tokens,
+    )
 
 
 class Const(InlineComponent):
@@ -86,8 +94,9 @@ def pipeline(components: list, weights: str, **kw: object) -> RewardPipeline:
 
 
 def test_weighted_sum_gates_and_clip() -> None:
-    rule = ComposeRule.from_config(RewardConfig(weights="task=1, rm=0.5, judge=0",
-                                                gates="format", clip_min=-1, clip_max=1.2))  # fmt: skip
+    rule = ComposeRule.from_config(
+        RewardConfig(weights="task=1, rm=0.5, judge=0", gates="format", clip_min=-1, clip_max=1.2)
+    )
     assert rule.names == ["task", "rm", "judge", "format"]
     assert rule.apply({"task": 1.0, "rm": 2.0, "judge": 9.0, "format": 1.0}) == 1.2  # clipped
     assert rule.apply({"task": 1.0, "rm": -0.5, "format": 1.0}) == 0.75
@@ -159,10 +168,12 @@ def test_dapo_soft_overlong_penalty() -> None:
 
 def test_repetition_penalty_catches_padding() -> None:
     p = pipeline([RepetitionPenalty(3, 0.2)], "task=1, repetition=1")
-    honest, padded = p.score([
-        item("The digits sorted ascending give 1134 as the answer"),
-        item("1134 " + "the answer is 1134 " * 12),
-    ])  # fmt: skip
+    honest, padded = p.score(
+        [
+            item("The digits sorted ascending give 1134 as the answer"),
+            item("1134 " + "the answer is 1134 " * 12),
+        ]
+    )
     assert honest.reward == 1.0 and padded.reward < 0.3 and "repetition" in padded.flags
 
 
@@ -216,8 +227,9 @@ def test_a_known_wrong_canary_earning_reward_raises_an_alarm_with_evidence() -> 
 
 
 def test_reward_config_from_a_run_config() -> None:
-    cfg = dataclasses.replace(RunConfig(), reward=RewardConfig(weights="task=1, format=0",
-                              format_regex=r"\d"))  # fmt: skip
+    cfg = dataclasses.replace(
+        RunConfig(), reward=RewardConfig(weights="task=1, format=0", format_regex=r"\d")
+    )
     p = RewardPipeline.from_config(cfg)
     assert [c.name for c in p.components] == ["task", "format"]
     start = time.perf_counter()

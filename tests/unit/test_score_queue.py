@@ -106,8 +106,10 @@ def test_batches_lose_nothing_and_always_carry_the_oldest(
         assert oldest in batch and len(batch) == k
         spread = max(len(s.tokens) for s in batch) - min(len(s.tokens) for s in batch)
         lengths_sorted = [len(s.tokens) for s in ordered]
-        windows = [lengths_sorted[lo + k - 1] - lengths_sorted[lo]
-                   for lo in range(max(0, at - k + 1), min(at, len(ordered) - k) + 1)]  # fmt: skip
+        windows = [
+            lengths_sorted[lo + k - 1] - lengths_sorted[lo]
+            for lo in range(max(0, at - k + 1), min(at, len(ordered) - k) + 1)
+        ]
         assert spread == min(windows)  # the tightest run of lengths that holds the oldest
         seen += [s.request for s in batch]
     assert sorted(map(id, seen)) == sorted(map(id, requests))

@@ -71,11 +71,38 @@ def test_cli_calibrate_and_predict(tmp_path: Path) -> None:
     measured, out, png = tmp_path / "m.json", tmp_path / "sim.json", tmp_path / "sim.png"
     synthetic_measurements(measured)
     script = str(REPO / "bench" / "simulate.py")
-    predict = [sys.executable, script, "predict", "--world", "8", "--actors", "6",
-               "--groups-per-step", "4", "--concurrency", "2", "--group-size", "4",
-               "--eta", "0", "2", "--measure", "3", "--warmup", "2", "--repeats", "2",
-               "--jobs", "1", "--measured", str(measured), "--out", str(out),
-               "--png", str(png)]  # fmt: skip
+    predict = [
+        sys.executable,
+        script,
+        "predict",
+        "--world",
+        "8",
+        "--actors",
+        "6",
+        "--groups-per-step",
+        "4",
+        "--concurrency",
+        "2",
+        "--group-size",
+        "4",
+        "--eta",
+        "0",
+        "2",
+        "--measure",
+        "3",
+        "--warmup",
+        "2",
+        "--repeats",
+        "2",
+        "--jobs",
+        "1",
+        "--measured",
+        str(measured),
+        "--out",
+        str(out),
+        "--png",
+        str(png),
+    ]
     subprocess.run(predict, check=True, capture_output=True, cwd=tmp_path)
     data = json.loads(out.read_text())
     assert [p["max_staleness"] for p in data["predictions"]] == [0, 2]
@@ -83,8 +110,15 @@ def test_cli_calibrate_and_predict(tmp_path: Path) -> None:
     assert data["derived"]["inflight_pause_s"]["per_seq"] > 0
     assert data["assumptions"]["world"] == 8 and data["command"].startswith("python bench/")
     assert data["calibration"]["status"] == "ok" and png.stat().st_size > 0
-    calibrate_cmd = [sys.executable, script, "calibrate", "--measured", str(measured),
-                     "--out", str(out)]  # fmt: skip
+    calibrate_cmd = [
+        sys.executable,
+        script,
+        "calibrate",
+        "--measured",
+        str(measured),
+        "--out",
+        str(out),
+    ]
     subprocess.run(calibrate_cmd, check=True, capture_output=True, cwd=tmp_path)
     again = json.loads(out.read_text())
     assert again["predictions"] == data["predictions"]

@@ -102,21 +102,36 @@ def test_calibration_point_takes_its_mode_and_removes_the_pauses() -> None:
     """An in-flight point: its mode reaches the simulation, and the measured pauses (4 updates
     of 0.05 s over 10 steps = 10 rounds here) come off its mean generation time."""
     raw = {
-        "max_staleness": 1, "samples_per_s": 100.0, "learner_wait_fraction": 0.0,
-        "actor_wait_fraction": 0.5, "step_time_s": 0.1, "generate_time_s": 0.05,
-        "response_lengths": [3, 3], "prompt_tokens": 6, "steps": 10, "dropped_stale": 0,
-        "inflight_updates": 4, "inflight_pause_s": 0.05, "loss": "decoupled_ppo",
+        "max_staleness": 1,
+        "samples_per_s": 100.0,
+        "learner_wait_fraction": 0.0,
+        "actor_wait_fraction": 0.5,
+        "step_time_s": 0.1,
+        "generate_time_s": 0.05,
+        "response_lengths": [3, 3],
+        "prompt_tokens": 6,
+        "steps": 10,
+        "dropped_stale": 0,
+        "inflight_updates": 4,
+        "inflight_pause_s": 0.05,
+        "loss": "decoupled_ppo",
         "config": {"actor": {"weight_update": "in_flight"}},
-    }  # fmt: skip
+    }
     base = {"actor": {"concurrency": 4, "group_size": 16}, "learner": {"groups_per_step": 4}}
     p = parse_point(base, raw, "test")
     assert p.cfg.actor.weight_update == "in_flight"
     assert p.generate_time_s == pytest.approx(0.05 - 4 * 0.05 / 10)
     cal = Calibration(
-        generation=GenerationTime(fixed_s=0.01), learner={"decoupled_ppo": LearnerFit(0.1, 0.0, 0.0)},
-        sync_s=0.0, message_latency_s=0.0, inflight_pause_s=0.02, latency_fit={},
-        generation_fit_rel_err=[], step_fit_rel_err=[], points=[],
-    )  # fmt: skip
+        generation=GenerationTime(fixed_s=0.01),
+        learner={"decoupled_ppo": LearnerFit(0.1, 0.0, 0.0)},
+        sync_s=0.0,
+        message_latency_s=0.0,
+        inflight_pause_s=0.02,
+        latency_fit={},
+        generation_fit_rel_err=[],
+        step_fit_rel_err=[],
+        points=[],
+    )
     own = sim_config_for(p, cal, own_times=True, spread=False)
     assert own.weight_update == "in_flight" and own.inflight_pause_s == 0.05
     fitted = sim_config_for(p, cal, spread=False)

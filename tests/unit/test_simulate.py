@@ -117,8 +117,9 @@ def test_window_at_the_actors_version_drops_nothing(monkeypatch: pytest.MonkeyPa
 
     real = admission.room
 
-    def room_at_hub_version(buffer: ReplayBuffer, in_flight: int, eta: int, groups: int,
-                            _policy_version: int) -> int:  # fmt: skip
+    def room_at_hub_version(
+        buffer: ReplayBuffer, in_flight: int, eta: int, groups: int, _policy_version: int
+    ) -> int:
         return real(buffer, in_flight, eta, groups, buffer.policy_version)
 
     monkeypatch.setattr(admission, "room", room_at_hub_version)
@@ -196,8 +197,9 @@ def test_free_slots_shortcut_matches_admission_grant() -> None:
     num_shortcut = num_tied = 0
     for _ in range(200):
         eta, groups = int(rng.integers(0, 3)), int(rng.integers(1, 6))
-        buffer = ReplayBuffer(capacity=int(rng.integers(groups, 30)), max_staleness=eta,
-                              batch_groups=groups)  # fmt: skip
+        buffer = ReplayBuffer(
+            capacity=int(rng.integers(groups, 30)), max_staleness=eta, batch_groups=groups
+        )
         buffer.drop_stale(int(rng.integers(0, 5)))
         slots, full, versions = FreeSlots(), {}, {}
         for _ in range(6):  # rounds of changes on the same FreeSlots, then a grant
@@ -279,9 +281,12 @@ def test_a_constant_spread_changes_nothing() -> None:
     # every quantile equal: each factor is exactly 1, the hand-computed timeline stays exact
     g, s = 1.5, 0.5
     flat = one_actor(
-        1, g, s, generation=GenerationTime(fixed_s=g, spread=(2.0, 2.0, 2.0)),
+        1,
+        g,
+        s,
+        generation=GenerationTime(fixed_s=g, spread=(2.0, 2.0, 2.0)),
         learner=LearnerTime(overhead_s=s, spread=(0.3,) * 5),
-    )  # fmt: skip
+    )
     assert simulate(flat) == simulate(one_actor(1, g, s))
 
 
@@ -303,11 +308,15 @@ def test_spread_makes_a_balanced_pipeline_wait() -> None:
     wide = (0.5, 1.0, 1.5)
     noisy = simulate(
         one_actor(
-            1, g, s, num_steps=400, warmup_steps=20,
+            1,
+            g,
+            s,
+            num_steps=400,
+            warmup_steps=20,
             generation=GenerationTime(fixed_s=g, spread=wide),
             learner=LearnerTime(overhead_s=s, spread=wide),
         )
-    )  # fmt: skip
+    )
     assert noisy.mean_step_s == pytest.approx(s, rel=0.05)
     assert noisy.mean_generate_s == pytest.approx(g, rel=0.05)
     assert noisy.learner_idle_fraction > 0.05
@@ -316,9 +325,14 @@ def test_spread_makes_a_balanced_pipeline_wait() -> None:
 
 @pytest.mark.parametrize(
     ("spread", "why"),
-    [((1.0,), "need >= 2"), ((2.0, 1.0), "ascending"), ((-1.0, 1.0), ">= 0"),
-     ((0.0, 0.0), "all quantiles are 0"), ((1.0, float("inf")), "finite")],
-)  # fmt: skip
+    [
+        ((1.0,), "need >= 2"),
+        ((2.0, 1.0), "ascending"),
+        ((-1.0, 1.0), ">= 0"),
+        ((0.0, 0.0), "all quantiles are 0"),
+        ((1.0, float("inf")), "finite"),
+    ],
+)
 def test_bad_spread_is_refused_by_name(spread: tuple[float, ...], why: str) -> None:
     with pytest.raises(ValueError, match="learner.spread: .*" + why):
         LearnerTime(overhead_s=1.0, spread=spread)

@@ -30,8 +30,9 @@ from replay.wal_records import pack_record
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
-                                                                background: bool) -> None:  # fmt: skip
+def test_a_snapshot_references_the_groups_of_the_closed_segment(
+    tmp_path: Path, background: bool
+) -> None:
     live, wal = open_wal(tmp_path, background)
     total = sum(push_big(live, seq) for seq in range(8))
     assert len(live.hand_out(1, 2, float("inf"))) == 2  # two lent, never acknowledged
@@ -57,8 +58,9 @@ def test_a_snapshot_references_the_groups_of_the_closed_segment(tmp_path: Path,
 
 
 @pytest.mark.parametrize("keep", [1, 3])
-def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(tmp_path: Path,
-                                                                         keep: int) -> None:  # fmt: skip
+def test_a_long_lived_group_is_copied_inline_and_disk_use_stays_bounded(
+    tmp_path: Path, keep: int
+) -> None:
     segment = 10 * 90_000
     live, wal = open_wal(tmp_path, background=True, snapshot_log_bytes=segment, keep_segments=keep)
     push_big(live, 0)
@@ -177,8 +179,11 @@ def test_a_damaged_referenced_record_is_a_damaged_snapshot(tmp_path: Path) -> No
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     wal = WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=1 << 30)
-    with pytest.raises(ValueError, match=rf"damaged record at byte {offset} of \S*wal-0.log "
-                                         r"\(checksum mismatch\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"damaged record at byte {offset} of \S*wal-0.log "
+        r"\(checksum mismatch\)",
+    ):
         wal.recover(fresh(incarnation=2))
     segment.unlink()
     with pytest.raises(ValueError, match=r"wal-0.log, which is missing"):
@@ -229,15 +234,28 @@ def test_a_buffer_spanning_segments_is_referenced_not_rewritten(tmp_path: Path) 
     assert head["log_id"] == 3 and None not in head["refs"]
     assert sorted({r[0] for r in head["refs"]}) == [0, 1, 2]
     assert (tmp_path / "snapshot.bin").stat().st_size < 4096  # references only
-    assert names(tmp_path) == ["LOCK", "snapshot.bin", "wal-0.log", "wal-1.log", "wal-2.log",
-                               "wal-3.log"]  # fmt: skip
+    assert names(tmp_path) == [
+        "LOCK",
+        "snapshot.bin",
+        "wal-0.log",
+        "wal-1.log",
+        "wal-2.log",
+        "wal-3.log",
+    ]
     push_big(live, 9)
     wal.snapshot(live)  # wal-0 leaves the kept window: its groups are copied, it goes
     head = snapshot_head(tmp_path)
     assert head["refs"].count(None) == 3 and {r[0] for r in head["refs"] if r} == {1, 2, 3}
     wal.close()
-    assert names(tmp_path) == ["LOCK", "snapshot.bin", "wal-1.log", "wal-2.log", "wal-3.log",
-                               "wal-4.log", "wal-spare-0.log"]  # fmt: skip
+    assert names(tmp_path) == [
+        "LOCK",
+        "snapshot.bin",
+        "wal-1.log",
+        "wal-2.log",
+        "wal-3.log",
+        "wal-4.log",
+        "wal-spare-0.log",
+    ]
     state = fresh(incarnation=2)
     again = WriteAheadLog(tmp_path, fsync=False, snapshot_log_bytes=1 << 30, keep_segments=3)
     found = again.recover(state)

@@ -32,8 +32,9 @@ def _m2po(bound: float) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     lp = prox.clone().requires_grad_(True)  # one optimizer step per batch: π_θ = π_prox, r = 1
     cfg = LossConfig(name="m2po", m2_bound=bound)
     beh = torch.tensor(BEH, dtype=torch.float64)
-    loss, stats = policy_loss(lp, prox, beh, torch.tensor(ADV, dtype=torch.float64),
-                              torch.tensor(MASK), cfg)  # fmt: skip
+    loss, stats = policy_loss(
+        lp, prox, beh, torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK), cfg
+    )
     loss.backward()
     assert lp.grad is not None
     return loss, stats, lp.grad
@@ -73,8 +74,15 @@ def _stale_clip(ratio: float, adv: float, lag: int, kappa: float) -> tuple[float
     beh = torch.tensor([[-1.0]], dtype=torch.float64)
     lp = (beh + math.log(ratio)).requires_grad_(True)
     cfg = LossConfig(name="stale_clip", clip_lag_scale=kappa)
-    loss, _ = policy_loss(lp, None, beh, torch.tensor([adv], dtype=torch.float64),
-                          torch.ones(1, 1), cfg, token_lag=torch.tensor([[lag]]))  # fmt: skip
+    loss, _ = policy_loss(
+        lp,
+        None,
+        beh,
+        torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1),
+        cfg,
+        token_lag=torch.tensor([[lag]]),
+    )
     loss.backward()
     assert lp.grad is not None
     return loss.item(), lp.grad.item()
@@ -109,8 +117,15 @@ def test_stale_clip_needs_nonnegative_lags() -> None:
         policy_loss(lp, None, lp, torch.ones(1), one, cfg, token_lag=torch.tensor([[0, -1]]))
     with pytest.raises(ValueError, match="token_lag: shape"):
         policy_loss(lp, None, lp, torch.ones(1), one, cfg, token_lag=torch.zeros(2, 2).long())
-    loss, _ = policy_loss(lp, None, lp, torch.ones(1), torch.tensor([[1.0, 0.0]]), cfg,
-                          token_lag=torch.tensor([[0, -5]]))  # fmt: skip
+    loss, _ = policy_loss(
+        lp,
+        None,
+        lp,
+        torch.ones(1),
+        torch.tensor([[1.0, 0.0]]),
+        cfg,
+        token_lag=torch.tensor([[0, -5]]),
+    )
     assert loss.item() == -1.0  # one produced token, ρ = 1; a negative lag on padding is ignored
 
 
@@ -120,21 +135,32 @@ def test_a_trajectory_spanning_two_versions_is_clipped_token_by_token() -> None:
     1.14 on the old tokens and 1 + 0.28/1.25 = 1.224 on the new ones. Every token has
     ρ = 1.2, A = 1: the old tokens are clipped (no gradient), the new ones are not."""
     traj = Trajectory(
-        tokens=np.array([1, 2, 5, 6, 7, 8], np.int32), prompt_len=2,
-        loss_mask=np.ones(4, np.uint8), behavior_logprobs=np.full(4, -1.0, np.float32),
-        reward=1.0, min_policy_version=3, max_policy_version=6, finish_reason="length",
+        tokens=np.array([1, 2, 5, 6, 7, 8], np.int32),
+        prompt_len=2,
+        loss_mask=np.ones(4, np.uint8),
+        behavior_logprobs=np.full(4, -1.0, np.float32),
+        reward=1.0,
+        min_policy_version=3,
+        max_policy_version=6,
+        finish_reason="length",
         version_spans=(0, 3, 2, 6),
-    )  # fmt: skip
-    group = Group.build(group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0,
-                        trajectories=[traj])  # fmt: skip
+    )
+    group = Group.build(
+        group_id="g", prompt_id="p", credit_id=0, actor_id="a", seq=0, trajectories=[traj]
+    )
     batch = collate([decode(encode(group))], pad_id=0)
     assert batch.token_versions.tolist() == [[3, 3, 6, 6]]
     lag = 7 - batch.token_versions
     lp = (batch.behavior_logprobs.double() + math.log(1.2)).requires_grad_(True)
-    loss, stats = policy_loss(lp, None, batch.behavior_logprobs.double(),
-                              torch.tensor([1.0], dtype=torch.float64), batch.mask,
-                              LossConfig(name="stale_clip", clip_lag_scale=-0.25),
-                              token_lag=lag)  # fmt: skip
+    loss, stats = policy_loss(
+        lp,
+        None,
+        batch.behavior_logprobs.double(),
+        torch.tensor([1.0], dtype=torch.float64),
+        batch.mask,
+        LossConfig(name="stale_clip", clip_lag_scale=-0.25),
+        token_lag=lag,
+    )
     loss.backward()
     assert lp.grad is not None
     assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -1.2 / 4, -1.2 / 4])

@@ -35,8 +35,16 @@ values = st.recursive(
     plain, lambda c: st.lists(c, max_size=3) | st.dictionaries(texts, c, max_size=3), max_leaves=8
 )
 maps = st.dictionaries(texts, values, max_size=4)
-KIND = {"int": ints, "float": floats, "str": texts, "bool": st.booleans(), "map": maps,
-        "ints": st.lists(ints, max_size=5), "floats": st.lists(floats, max_size=5), "strs": st.lists(texts, max_size=5)}  # fmt: skip
+KIND = {
+    "int": ints,
+    "float": floats,
+    "str": texts,
+    "bool": st.booleans(),
+    "map": maps,
+    "ints": st.lists(ints, max_size=5),
+    "floats": st.lists(floats, max_size=5),
+    "strs": st.lists(texts, max_size=5),
+}
 
 
 @st.composite
@@ -54,19 +62,34 @@ def groups(draw: st.DrawFn) -> Group:
         lp = draw(st.lists(st.floats(-50, 0, width=32), min_size=clen, max_size=clen))
         hi = lo + (draw(st.integers(0, 3)) if clen >= 2 else 0)
         spans = (0, lo, draw(st.integers(1, clen - 1)), hi) if hi > lo else ()
-        trajectories.append(Trajectory(
-            tokens=np.array(tokens, np.int32), prompt_len=plen, loss_mask=np.array(mask, np.uint8),
-            behavior_logprobs=np.array(lp, np.float32), reward=draw(floats), min_policy_version=lo,
-            max_policy_version=hi, finish_reason=draw(st.sampled_from(FINISH_REASONS)),
-            trajectory_id=draw(texts), reward_failed=draw(texts), version_spans=spans,
-        ))  # fmt: skip
+        trajectories.append(
+            Trajectory(
+                tokens=np.array(tokens, np.int32),
+                prompt_len=plen,
+                loss_mask=np.array(mask, np.uint8),
+                behavior_logprobs=np.array(lp, np.float32),
+                reward=draw(floats),
+                min_policy_version=lo,
+                max_policy_version=hi,
+                finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+                trajectory_id=draw(texts),
+                reward_failed=draw(texts),
+                version_spans=spans,
+            )
+        )
     return Group.build(
-        group_id=draw(texts), prompt_id=draw(texts), credit_id=draw(ints), actor_id=draw(texts),
-        seq=draw(ints), trajectories=trajectories, metadata=draw(maps),
+        group_id=draw(texts),
+        prompt_id=draw(texts),
+        credit_id=draw(ints),
+        actor_id=draw(texts),
+        seq=draw(ints),
+        trajectories=trajectories,
+        metadata=draw(maps),
         timings=draw(st.dictionaries(texts, floats, max_size=3)),
-        reward_components=draw(st.dictionaries(texts, st.lists(floats, min_size=n, max_size=n),
-                                               max_size=3)),
-    )  # fmt: skip
+        reward_components=draw(
+            st.dictionaries(texts, st.lists(floats, min_size=n, max_size=n), max_size=3)
+        ),
+    )
 
 
 def builds(cls: type) -> st.SearchStrategy[Any]:
