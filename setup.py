@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "asyncrl._hotpath",
-            sources=["asyncrl/_hotpath.c"],
+            "asyncrl.protocol._hotpath",
+            sources=["asyncrl/protocol/_hotpath.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall"],
             optional=True,
         )

@@ -50,7 +50,7 @@ from actors.rewards.components import item_from_episode
 from actors.rewards.pipeline import RewardOutcome, RewardPipeline
 from asyncrl.config import ActorConfig, RunConfig
 from asyncrl.metrics import LiveMetrics
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     CreditItem,
     CreditReturn,
     Credits,
@@ -60,7 +60,7 @@ from asyncrl.protocol import (
     WeightsAnnounce,
     WeightsLoaded,
 )
-from asyncrl.transport import HubConnection
+from asyncrl.transport.connection import HubConnection
 
 ACTOR_COUNTERS = (
     "rounds",

@@ -21,7 +21,7 @@ from actors.evaluation import ActorEvaluator
 from asyncrl.config import RunConfig, load_config
 from asyncrl.files import replace_text
 from asyncrl.metrics import start as start_metrics
-from asyncrl.transport import HubConnection
+from asyncrl.transport.connection import HubConnection
 from asyncrl.weights.digest import digest_named_tensors
 
 
@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> int:
     from transformers import AutoTokenizer
 
     from actors.envs.registry import env_factory
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
     from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
     from asyncrl.weights.receiver import WeightReceiver
 

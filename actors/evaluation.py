@@ -32,7 +32,7 @@ from actors.envs.base import Env
 from actors.envs.data import from_credit
 from actors.episodes import EpisodeLimits, EpisodeRunner
 from asyncrl.evaluation import sampling
-from asyncrl.protocol import EvalRequest, EvalResult
+from asyncrl.protocol.messages import EvalRequest, EvalResult
 
 
 def evaluate(

@@ -3,10 +3,10 @@
     asyncrl replay  --config C [--bind EP] [--dataset F]   the hub (replay/main.py)
     asyncrl actor   --config C --hub EP [--engine E]       a rollout actor (actors/actor_main.py)
     asyncrl learner --config C --hub EP [--world N]       the learner (learner/main.py)
-    asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (asyncrl/run.py)
-    asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/auth.py)
+    asyncrl run     CONFIG [--run-dir D] [--set k=v ...]   everything on this machine (launch/run.py)
+    asyncrl keygen  DIR [--clients N]                      CURVE keys for --auth (asyncrl/transport/auth.py)
     asyncrl bench   NAME [args...]                         a benchmark from bench/
-    asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (tools/launch.py)
+    asyncrl launch  CONFIG --ray [ADDRESS]                 everything on a Ray cluster (launch/ray_cluster.py)
     asyncrl status  ENDPOINT [--watch] [--pause|--resume]  a live hub's summary (tools/status.py)
     asyncrl inspect RUN_DIR [--reward-max X ...] [--show N] kept trajectories (tools/inspect.py)
     asyncrl report  RUN_DIR                                RUN_DIR/report.html (tools/report.py)
@@ -28,14 +28,14 @@ COMMANDS = {
     "replay": ("replay.main", "main"),
     "actor": ("actors.actor_main", "main"),
     "learner": ("learner.main", "main"),
-    "run": ("asyncrl.run", "main"),
-    "keygen": ("asyncrl.auth", "keygen_main"),
-    "bench": ("asyncrl.bench_cli", "main"),
+    "run": ("launch.run", "main"),
+    "keygen": ("asyncrl.transport.auth", "keygen_main"),
+    "bench": ("launch.bench_cli", "main"),
     "eval": ("tools.eval", "main"),
     "inspect": ("tools.inspect", "main"),
     "report": ("tools.report", "main"),
     "status": ("tools.status", "main"),
-    "launch": ("tools.launch", "main"),
+    "launch": ("launch.ray_cluster", "main"),
     "sandbox": ("actors.sandbox.cli", "main"),
     "score": ("tools.score", "main"),
     "reward-server": ("actors.rewards.rm_server", "main"),

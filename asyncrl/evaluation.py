@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncrl.protocol import EvalResult
+from asyncrl.protocol.messages import EvalResult
 
 EVAL_FILE = "eval.jsonl"
 GREEDY_TOP_P = 1e-9

@@ -45,8 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.run import read_metrics  # noqa: E402
 from bench.bench_common import REPO, environment, write_json  # noqa: E402
+from launch.run import read_metrics
 
 ROLES = ("hub", "actor", "learner")
 

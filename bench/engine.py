@@ -73,7 +73,7 @@ class ActorSystem:
 
     def __init__(self, config_path: Path, dataset: Path, tmp: Path, threads: int) -> None:
         from asyncrl.config import load_config
-        from asyncrl.transport import HubConnection
+        from asyncrl.transport.connection import HubConnection
 
         cfg = load_config(config_path)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -128,7 +128,7 @@ class ActorSystem:
 
     def batch(self, timeout_s: float = 600.0) -> tuple[Any, float]:
         """The next batch (one round of groups) and its arrival time."""
-        from asyncrl.protocol import Batch, SampleRequest
+        from asyncrl.protocol.messages import Batch, SampleRequest
 
         self.request_id += 1
         self.conn.send(
@@ -211,7 +211,7 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     from actors.actor_main import build_engine
     from actors.envs.sort_task import write_dataset
     from asyncrl.config import load_config, to_toml
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cfg = load_config(args.config, bench_overrides(args, name, tmp / "models"))
     run_dir = tmp / name

@@ -175,7 +175,7 @@ def main() -> int:
     from actors.engines.torch_engine import TorchEngine
     from actors.envs.lookup import make_rows
     from asyncrl.config import ModelConfig, TaskConfig
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     torch.set_num_threads(args.threads)
     task = TaskConfig(name="lookup", num_digits=3, num_prompts=args.groups)

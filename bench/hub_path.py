@@ -44,16 +44,9 @@ from bench_common import environment, write_json  # noqa: E402
 from transport_peers import make_group, overrides_for  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.group_codec import new_message  # noqa: E402
-from asyncrl.protocol import (  # noqa: E402
-    PROTOCOL_VERSION,
-    Batch,
-    Group,
-    Hello,
-    SampleRequest,
-    decode,
-    encode,
-)
+from asyncrl.protocol.codec import decode, encode  # noqa: E402
+from asyncrl.protocol.group_codec import new_message  # noqa: E402
+from asyncrl.protocol.messages import PROTOCOL_VERSION, Batch, Group, Hello, SampleRequest  # noqa: E402
 from replay.server import Hub  # noqa: E402
 
 BATCH = 64

@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_common import environment, spread, write_json  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.protocol import Batch, Group, Trajectory  # noqa: E402
-from asyncrl.run import thread_split  # noqa: E402
-from asyncrl.tiny_model import MAX_POSITIONS, ensure_model, vocab  # noqa: E402
-from asyncrl.transport import HubConnection  # noqa: E402
+from asyncrl.models.tiny import MAX_POSITIONS, ensure_model, vocab  # noqa: E402
+from asyncrl.protocol.messages import Batch, Group, Trajectory  # noqa: E402
+from asyncrl.transport.connection import HubConnection  # noqa: E402
+from launch.run import thread_split  # noqa: E402
 from learner.loop import Learner  # noqa: E402
 
 

@@ -47,7 +47,7 @@ from actors.envs.sort_task import make_prompts  # noqa: E402
 from actors.rewards.base import safe_score  # noqa: E402
 from actors.rewards.sort_verifier import make_verifier  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.tiny_model import ensure_model  # noqa: E402
+from asyncrl.models.tiny import ensure_model  # noqa: E402
 from learner.policy_model import make_adamw  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

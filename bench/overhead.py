@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_common import environment, spread, write_json  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.run import read_metrics, run  # noqa: E402
+from launch.run import read_metrics, run  # noqa: E402
 
 
 def system_point(cfg: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
     args = p.parse_args()
     cfg = load_config(args.config, args.set)
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     ensure_model(cfg.model, cfg.task)  # warm-up: the build is not part of either measurement
     cores = os.cpu_count() or 1

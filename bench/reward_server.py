@@ -54,7 +54,7 @@ from bench_common import environment, spread, write_json  # noqa: E402
 
 from actors.rewards.rm_client import RewardModelClient  # noqa: E402
 from actors.rewards.rm_model import RewardModel  # noqa: E402
-from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab  # noqa: E402
+from asyncrl.models.tiny import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab  # noqa: E402
 
 SHAPE = {
     "hidden_size": 128,

@@ -32,16 +32,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.protocol import (  # noqa: E402
+from asyncrl.protocol.messages import (
     Batch,
     BatchAck,
     Credits,
     SampleRequest,
     Stats,
     StatsRequest,
-    Version,  # noqa: E402
+    Version,
 )
-from asyncrl.transport import HubConnection  # noqa: E402
+from asyncrl.transport.connection import HubConnection
 from bench.bench_common import REPO, environment, spread, write_json  # noqa: E402
 from bench.transport import make_group  # noqa: E402
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_common import environment, spread, write_json  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.run import read_metrics, run  # noqa: E402
+from launch.run import read_metrics, run  # noqa: E402
 
 DIAGNOSTICS = (
     "is_weight_mean",
@@ -171,7 +171,7 @@ def main() -> None:
     cfg = load_config(args.config, args.set)
     etas = [int(x) for x in args.etas.split(",")]
     losses = args.losses.split(",")
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     env = environment()  # the commit measured: taken before the runs
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point

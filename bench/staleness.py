@@ -61,7 +61,7 @@ from cpu_sampler import CpuSampler  # noqa: E402
 from staleness_plots import by, plot  # noqa: E402
 
 from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.run import read_metrics, run  # noqa: E402
+from launch.run import read_metrics, run  # noqa: E402
 
 DIAGNOSTICS = (
     "is_weight_mean",
@@ -360,7 +360,7 @@ def main() -> None:
     etas = [int(x) for x in args.etas.split(",")]
     losses = args.losses.split(",")
     modes = args.modes.split(",")
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     ensure_model(cfg.model, cfg.task)  # warm-up: built once, outside every point
     points = sweep(cfg, losses, etas, modes, args.seeds, args.budget_s, args.keep_runs)

@@ -58,8 +58,9 @@ from typing import Any
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.protocol import Batch, SampleRequest, Stats, StatsRequest
-from asyncrl.transport import HubConnection, keep_freed_buffers
+from asyncrl.protocol.messages import Batch, SampleRequest, Stats, StatsRequest
+from asyncrl.transport.connection import HubConnection
+from asyncrl.transport.sockets import keep_freed_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from asyncrl.group_codec import new_message
-from asyncrl.protocol import Credits, Group, Trajectory, encode
-from asyncrl.transport import HubConnection, keep_freed_buffers
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.group_codec import new_message
+from asyncrl.protocol.messages import Credits, Group, Trajectory
+from asyncrl.transport.connection import HubConnection
+from asyncrl.transport.sockets import keep_freed_buffers
 
 SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
 SAMPLES, PROMPT_TOKENS = 8, 64

@@ -39,13 +39,13 @@ import torch.multiprocessing as mp
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from asyncrl.config import load_config
+from asyncrl.weights.backends import GlooGroup
 from asyncrl.weights.bucket_plan import (
     BucketPlan,
     allocate_buckets,
     allocate_staging,
     staged_buckets,
 )
-from asyncrl.weights.gloo_backend import GlooGroup
 from asyncrl.weights.publisher import WeightPublisher
 from asyncrl.weights.receiver import WeightReceiver
 

@@ -52,7 +52,7 @@ QWEN2_7B = {
 def _receiver(port: int, nbytes: int, reps: int) -> None:
     from torch.distributed import TCPStore
 
-    from asyncrl.weights.nccl_backend import NcclGroup
+    from asyncrl.weights.backends import NcclGroup
 
     torch.cuda.set_device(1)
     store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120))
@@ -71,11 +71,11 @@ def nccl_bandwidth(reps: int, nbytes: int = GIB) -> dict[str, Any]:
         return {"skipped": f"NCCL needs 2 GPUs for 2 ranks; found {torch.cuda.device_count()}"}
     from torch.distributed import TCPStore
 
-    from asyncrl.weights.nccl_backend import NcclGroup, new_unique_id
+    from asyncrl.weights.backends import NcclGroup, nccl_unique_id
 
     torch.cuda.set_device(0)
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120), wait_for_workers=False)
-    uid = new_unique_id()
+    uid = nccl_unique_id()
     store.set("uid", uid)
     proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, nbytes, reps + 1))
     proc.start()
@@ -117,7 +117,7 @@ def sync_7b(reps: int) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from actors.engines.vllm_engine import WORKER_EXTENSION
-    from asyncrl.tiny_model import build_tokenizer
+    from asyncrl.models.tiny import build_tokenizer
 
     model_dir = Path(tempfile.mkdtemp(prefix="asyncrl-7b-"))
     config = Qwen2Config(**QWEN2_7B, torch_dtype="bfloat16")

@@ -36,7 +36,7 @@ from weights import ACTORS, wait_got, with_receivers  # noqa: E402
 from weights_models import SHAPE  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.transport import free_port  # noqa: E402
+from asyncrl.transport.sockets import free_port  # noqa: E402
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module  # noqa: E402
 from learner.parallel import (  # noqa: E402
     Op,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_common import environment, spread, write_json  # noqa: E402
 from transport_peers import SIZES, make_group, push_frames  # noqa: E402
 
-from asyncrl.protocol import encode  # noqa: E402
+from asyncrl.protocol.codec import encode  # noqa: E402
 
 LAYOUTS = ("frames_4", "frames_2", "frames_1", "groups_8")
 GROUPS_PER_MESSAGE = 8

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.protocol import Group
+from asyncrl.protocol.messages import Group
 
 
 def episode_metrics(groups: Sequence[Group]) -> dict[str, float]:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import LearnerConfig
-from asyncrl.protocol import Group
+from asyncrl.protocol.messages import Group
 
 
 @dataclass(frozen=True)

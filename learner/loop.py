@@ -30,7 +30,7 @@ import torch
 
 from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     Batch,
     BatchAck,
     Error,
@@ -39,9 +39,9 @@ from asyncrl.protocol import (
     Version,
     WeightsAnnounce,
 )
-from asyncrl.transport import HubConnection
+from asyncrl.transport.connection import HubConnection
+from asyncrl.weights.backends import buffer_device
 from asyncrl.weights.digest import digest_named_tensors
-from asyncrl.weights.gloo_backend import buffer_device
 from asyncrl.weights.hf_layout import checkpoint_tensors
 from asyncrl.weights.publisher import WeightPublisher
 from learner.batch_metrics import episode_metrics, staleness_histogram, version_metrics

@@ -20,8 +20,8 @@ import torch
 
 from asyncrl.config import RunConfig, load_config, to_toml
 from asyncrl.metrics import start as start_metrics
-from asyncrl.tiny_model import ensure_model
-from asyncrl.transport import HubConnection
+from asyncrl.models.tiny import ensure_model
+from asyncrl.transport.connection import HubConnection
 from learner.loop import Learner
 from learner.metrics_log import MetricsLog
 from learner.observe import LearnerObserver

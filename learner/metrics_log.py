@@ -38,7 +38,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from torch.utils.tensorboard.summary import histogram
 
-from asyncrl import run as asyncrl_run
+from launch import run as asyncrl_run
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

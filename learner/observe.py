@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from asyncrl.alarms import Alarm, AlarmMonitor, json_safe
 from asyncrl.evaluation import EvalLog, summarize
-from asyncrl.protocol import AlarmRaised, Batch, EvalResult, Group
-from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table
+from asyncrl.protocol.messages import AlarmRaised, Batch, EvalResult, Group
 from learner.advantages import group_advantages
+from learner.alarms import Alarm, AlarmMonitor, json_safe
 from learner.batching import collate
+from learner.trajectory_store import Kept, TrajectoryWriter, build_table
 
 if TYPE_CHECKING:
     from learner.loop import Learner

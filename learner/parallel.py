@@ -39,8 +39,9 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from asyncrl.protocol import Batch, decode, encode
-from asyncrl.transport import free_port
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import Batch
+from asyncrl.transport.sockets import free_port
 
 
 class Op(IntEnum):

@@ -27,8 +27,8 @@ from dataclasses import replace
 
 import torch
 
-from asyncrl.protocol import Stats, StatsRequest
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.messages import Stats, StatsRequest
+from asyncrl.transport.connection import HubConnection
 from asyncrl.weights.bucket_plan import Bucket, BucketPlan, Entry, allocate_staging, pack_bucket
 from asyncrl.weights.digest import update_digest
 

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.alarms import Alarm
 from asyncrl.config import RewardConfig
-from asyncrl.protocol import Group
+from asyncrl.protocol.messages import Group
+from learner.alarms import Alarm
 
 
 class RewardMonitor:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import RunConfig
-from asyncrl.protocol import Batch
+from asyncrl.protocol.messages import Batch
 from learner.advantages import group_advantages
 from learner.batching import TrainBatch, collate, token_logprobs
 from learner.losses import NEEDS_PROXIMAL, policy_loss

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from asyncrl.group_codec import new_message
-from asyncrl.protocol import CreditItem
+from asyncrl.protocol.group_codec import new_message
+from asyncrl.protocol.messages import CreditItem
 from replay.buffer import ReplayBuffer
 from replay.prompts import PromptSource
 

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncrl.protocol import Group
+from asyncrl.protocol.messages import Group
 
 
 class InsertResult(enum.Enum):

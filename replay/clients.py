@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from asyncrl.protocol import Ack, Hello, SampleRequest
-from asyncrl.transport import NOBLOCK, send_parts
+from asyncrl.protocol.messages import Ack, Hello, SampleRequest
+from asyncrl.transport.sockets import NOBLOCK, send_parts
 
 
 @dataclass(eq=False)

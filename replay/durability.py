@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ReplayConfig
-from asyncrl.protocol import Group, decode
+from asyncrl.protocol.codec import decode
+from asyncrl.protocol.messages import Group
 from replay.snapshot import (
     SnapshotJob,
     load_snapshot,

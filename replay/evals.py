@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from asyncrl.config import EvalConfig, RunConfig
-from asyncrl.protocol import CreditItem, EvalRequest, EvalResult
+from asyncrl.protocol.messages import CreditItem, EvalRequest, EvalResult
 from replay.prompts import Prompt, credit_seed, load_dataset
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.files import replace_text
 from asyncrl.metrics import start as start_metrics
-from asyncrl.transport import keep_freed_buffers
+from asyncrl.transport.sockets import keep_freed_buffers
 from replay.server import Hub
 
 HUB_COUNTERS = (

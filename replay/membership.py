@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.protocol import Bye, Hello, Welcome, check_hello
+from asyncrl.protocol.messages import Bye, Hello, Welcome, check_hello
 from replay.clients import Client
 
 if TYPE_CHECKING:

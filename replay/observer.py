@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.evaluation import summarize
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     AlarmRaised,
     Control,
     EvalResult,

@@ -48,10 +48,10 @@ from typing import Any
 
 import zmq
 
-from asyncrl import auth
 from asyncrl.config import RunConfig
 from asyncrl.metrics import LiveMetrics
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import (
     Batch,
     BatchAck,
     CreditReturn,
@@ -69,10 +69,9 @@ from asyncrl.protocol import (
     Version,
     WeightsAnnounce,
     WeightsLoaded,
-    decode,
-    encode,
 )
-from asyncrl.transport import NOBLOCK, bind_router, recv_routed
+from asyncrl.transport import auth
+from asyncrl.transport.sockets import NOBLOCK, bind_router, recv_routed
 from replay import observer
 from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from asyncrl.protocol import Group, decode, encode
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import Group
 from replay.state import HubState
 from replay.wal_records import TornRecord, fsync_dir, pack_record, read_record, read_records
 

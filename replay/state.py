@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import RunConfig
-from asyncrl.protocol import CreditItem, Group, ProtocolError, decode
+from asyncrl.protocol.codec import decode
+from asyncrl.protocol.messages import CreditItem, Group, ProtocolError
 from replay.admission import CreditBook
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import PromptSource

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 try:
-    from asyncrl._hotpath import address
+    from asyncrl.protocol._hotpath import address
 except ImportError:  # installed without a C compiler
 
     def address(buf: Any) -> int:

@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Directory of the tiny model (HF layout: config, safetensors, tokenizer)."""
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cache = tmp_path_factory.mktemp("models")
     return ensure_model(ModelConfig(cache_dir=str(cache)), TaskConfig())

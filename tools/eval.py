@@ -30,7 +30,7 @@ from typing import Any
 
 from asyncrl.config import RunConfig, load_config
 from asyncrl.evaluation import EvalLog, summarize
-from asyncrl.protocol import EvalRequest
+from asyncrl.protocol.messages import EvalRequest
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.trajectory_store import Table, load_table, read_meta
+from learner.trajectory_store import Table, load_table, read_meta
 
 FILTERS = {  # flag: (column, compare)
     "reward_min": ("reward", np.greater_equal),

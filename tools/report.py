@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.alarms import read_alarms
 from asyncrl.evaluation import read_evals
-from asyncrl.run import read_metrics
-from asyncrl.trajectory_store import Table, load_table
+from launch.run import read_metrics
+from learner.alarms import read_alarms
+from learner.trajectory_store import Table, load_table
 from tools.charts import Series, line_chart, smooth
 from tools.inspect import decoder, turns
 

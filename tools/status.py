@@ -27,8 +27,9 @@ from typing import Any
 
 import zmq
 
-from asyncrl.protocol import Control, Error, Message, Status, StatusRequest, decode, encode
-from asyncrl.transport import connect_dealer, recv_parts, send_parts
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import Control, Error, Message, Status, StatusRequest
+from asyncrl.transport.sockets import connect_dealer, recv_parts, send_parts
 from tools.inspect import format_table
 
 CLEAR = "\x1b[2J\x1b[H"

@@ -55,18 +55,17 @@ import numpy as np
 import zmq
 
 from asyncrl.config import RewardModelConfig
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import (
+    SCORE_ERROR_CODES,
     Error,
     ProtocolError,
     ScoreRequest,
     Scores,
     Stats,
     StatsRequest,
-    decode,
-    encode,
 )
-from asyncrl.score_messages import SCORE_ERROR_CODES
-from asyncrl.transport import NOBLOCK, connect_dealer, recv_parts, send_parts
+from asyncrl.transport.sockets import NOBLOCK, connect_dealer, recv_parts, send_parts
 
 RETRYABLE = frozenset({"overloaded", "timeout"})
 assert RETRYABLE <= set(SCORE_ERROR_CODES)

@@ -46,10 +46,10 @@ import zmq
 
 from actors.rewards.rm_model import RewardModel
 from actors.rewards.score_queue import Overloaded, PendingRequest, Sample, ScoreQueue
-from asyncrl import auth
 from asyncrl.config import ReplayConfig, RewardModelConfig, load_config
 from asyncrl.files import replace_text
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import (
     Error,
     Message,
     ProtocolError,
@@ -57,10 +57,15 @@ from asyncrl.protocol import (
     Scores,
     Stats,
     StatsRequest,
-    decode,
-    encode,
 )
-from asyncrl.transport import NOBLOCK, bind_router, is_local_endpoint, recv_parts, send_parts
+from asyncrl.transport import auth
+from asyncrl.transport.sockets import (
+    NOBLOCK,
+    bind_router,
+    is_local_endpoint,
+    recv_parts,
+    send_parts,
+)
 
 log = logging.getLogger("asyncrl.reward_server")
 MAX_MESSAGE_BYTES = 64 << 20

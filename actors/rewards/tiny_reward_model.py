@@ -31,7 +31,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from actors.envs.sort_task import answer_for, render_prompt
 from actors.rewards.sort_verifier import SortVerifier
-from asyncrl.tiny_model import BOS, EOS, MAX_POSITIONS, PAD, build_once, build_tokenizer, vocab
+from asyncrl.models.tiny import BOS, EOS, MAX_POSITIONS, PAD, build_once, build_tokenizer, vocab
 
 BUILD_FORMAT = 1
 

@@ -39,8 +39,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, pack
-from asyncrl.weights.gloo_backend import (
+from asyncrl.weights.backends import (
     BroadcastGroup,
     buffer_device,
     check_backend,
@@ -48,6 +47,7 @@ from asyncrl.weights.gloo_backend import (
     new_unique_id,
     open_group,
 )
+from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, pack
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, unpack
-from asyncrl.weights.gloo_backend import (
+from asyncrl.weights.backends import (
     BroadcastError,
     BroadcastGroup,
     buffer_device,
     lower_thread_priority,
     open_group,
 )
+from asyncrl.weights.bucket_plan import BucketPlan, allocate_buckets, unpack
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 from replay import admission
 from replay.buffer import InsertResult, ReplayBuffer
 from replay.prompts import Prompt, PromptSource

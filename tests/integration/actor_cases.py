@@ -22,7 +22,7 @@ from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
 from actors.envs.sort_task import write_dataset
 from asyncrl.config import RunConfig, load_config, to_toml
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     Batch,
     Group,
     SampleRequest,
@@ -30,7 +30,7 @@ from asyncrl.protocol import (
     StatsRequest,
     WeightsAnnounce,
 )
-from asyncrl.transport import HubConnection
+from asyncrl.transport.connection import HubConnection
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 180.0  # generous deadlines (vLLM startup on a loaded box); never asserted as speed

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.config import load_config
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     Batch,
     CreditItem,
     Credits,
@@ -30,7 +30,7 @@ from asyncrl.protocol import (
     Version,
     WeightsLoaded,
 )
-from asyncrl.transport import HubConnection
+from asyncrl.transport.connection import HubConnection
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0  # generous deadlines for waiting, never asserted as speed
@@ -206,7 +206,8 @@ def raw_actor(hub: HubProcess, client_id: str, batched_acks: bool) -> tuple[obje
     """A bare DEALER that says Hello like an actor (optionally without batched acks)."""
     import zmq
 
-    from asyncrl.protocol import PROTOCOL_VERSION, Hello, Welcome, decode, encode
+    from asyncrl.protocol.codec import decode, encode
+    from asyncrl.protocol.messages import PROTOCOL_VERSION, Hello, Welcome
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -13,10 +13,8 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.protocol import (
-    ScoreRequest,
-    encode,
-)
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.messages import ScoreRequest
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0

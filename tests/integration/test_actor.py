@@ -40,10 +40,7 @@ from wire_checks import wait_for
 
 from actors.envs.sort_task import read_dataset, write_dataset
 from actors.rewards.sort_verifier import SortVerifier
-from asyncrl.protocol import (
-    Group,
-    Version,
-)
+from asyncrl.protocol.messages import Group, Version
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.publisher import WeightPublisher

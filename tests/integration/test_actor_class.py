@@ -19,10 +19,8 @@ from actors.envs.sort_task import SortEnv
 from actors.rewards.base import RewardResult
 from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import load_config
-from asyncrl.protocol import (
-    Credits,
-)
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.messages import Credits
+from asyncrl.transport.connection import HubConnection
 
 
 class FlakyVerifier:

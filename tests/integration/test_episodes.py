@@ -47,7 +47,7 @@ TEMPLATES = {"llama3_style": LLAMA3_STYLE, "qwen_style": QWEN_STYLE}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cache = tmp_path_factory.mktemp("models")
     return ensure_model(ModelConfig(cache_dir=str(cache), extra_chars=EXTRA), TaskConfig())

@@ -28,11 +28,7 @@ from hub_cases import (
     stats,
 )
 
-from asyncrl.protocol import (
-    CreditItem,
-    Credits,
-)
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.messages import CreditItem, Credits
 
 
 def test_groups_from_several_actors_are_consumed_exactly_once(tmp_path: Path, hubs: list) -> None:
@@ -231,7 +227,7 @@ def test_binding_beyond_loopback_needs_auth(tmp_path: Path) -> None:
     import zmq
 
     from asyncrl.config import ReplayConfig
-    from asyncrl.transport import bind_router
+    from asyncrl.transport.sockets import bind_router
 
     ctx = zmq.Context()
     try:
@@ -248,7 +244,8 @@ def test_binding_beyond_loopback_needs_auth(tmp_path: Path) -> None:
 
 
 def test_acks_cover_every_group_batched_only_when_asked(tmp_path: Path, hubs: list) -> None:
-    from asyncrl.protocol import Ack, decode, encode
+    from asyncrl.protocol.codec import decode, encode
+    from asyncrl.protocol.messages import Ack
 
     hub = HubProcess(tmp_path, ["learner.groups_per_step=8"])  # credits for both actors
     hubs.append(hub)
@@ -273,7 +270,7 @@ def test_acks_cover_every_group_batched_only_when_asked(tmp_path: Path, hubs: li
 
 
 def test_burst_acks_are_one_message_per_batched_client() -> None:
-    from asyncrl.protocol import Ack, Hello
+    from asyncrl.protocol.messages import Ack, Hello
     from replay.clients import Client
 
     hello = Hello(
@@ -287,11 +284,10 @@ def test_burst_acks_are_one_message_per_batched_client() -> None:
     assert client.take_acks() == [Ack(seq=4, credit_id=14), Ack(seq=5, credit_id=15)]
 
 
-def test_transport_reexports_the_connection_and_tunes_malloc_safely() -> None:
-    from asyncrl import hub_connection, transport
+def test_transport_tunes_malloc_safely() -> None:
+    from asyncrl.transport import sockets
 
-    assert transport.HubConnection is hub_connection.HubConnection is HubConnection
-    assert transport.keep_freed_buffers() in (True, False)  # False where libc is not glibc
+    assert sockets.keep_freed_buffers() in (True, False)  # False where libc is not glibc
 
 
 def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
@@ -300,7 +296,8 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
     import zmq
 
     from asyncrl.config import load_config
-    from asyncrl.protocol import PROTOCOL_VERSION, Hello, SampleRequest, Welcome, decode, encode
+    from asyncrl.protocol.codec import decode, encode
+    from asyncrl.protocol.messages import PROTOCOL_VERSION, Hello, SampleRequest, Welcome
     from replay.pacing import turn_messages
     from replay.server import Hub
 
@@ -367,7 +364,8 @@ def test_credits_are_topped_up_a_quarter_window_at_a_time(tmp_path: Path) -> Non
     import zmq
 
     from asyncrl.config import load_config
-    from asyncrl.protocol import PROTOCOL_VERSION, Hello, decode, encode
+    from asyncrl.protocol.codec import decode, encode
+    from asyncrl.protocol.messages import PROTOCOL_VERSION, Hello
     from replay.pacing import refill_at
     from replay.server import Hub
 

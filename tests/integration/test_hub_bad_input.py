@@ -15,17 +15,9 @@ import zmq
 from hub_cases import WAIT_S, HubProcess, make_group, stats
 from wire_checks import dealer, refused, reply
 
-from asyncrl.protocol import (
-    PROTOCOL_VERSION,
-    CreditItem,
-    Credits,
-    Error,
-    Hello,
-    Welcome,
-    decode,
-    encode,
-)
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import PROTOCOL_VERSION, CreditItem, Credits, Error, Hello, Welcome
+from asyncrl.transport.connection import HubConnection
 
 LIMIT = 64 * 1024  # replay.max_message_bytes of this hub: MAXMSGSIZE per frame, codec per message
 

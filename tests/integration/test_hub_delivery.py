@@ -12,16 +12,8 @@ from typing import Any
 import zmq
 from hub_cases import WAIT_S, ActorThread, HubProcess, advance, make_group, sample, stats
 
-from asyncrl.protocol import (
-    PROTOCOL_VERSION,
-    Ack,
-    BatchAck,
-    Credits,
-    Hello,
-    Welcome,
-    decode,
-    encode,
-)
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import PROTOCOL_VERSION, Ack, BatchAck, Credits, Hello, Welcome
 
 
 def hello_raw(hub: HubProcess, client_id: str, session: int) -> tuple[zmq.Socket, Welcome, list]:

@@ -14,7 +14,8 @@ import pytest
 import zmq
 from hub_cases import WAIT_S, HubProcess, make_group, stats
 
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import (
     PROTOCOL_VERSION,
     BatchAck,
     Bye,
@@ -29,8 +30,6 @@ from asyncrl.protocol import (
     Version,
     WeightsLoaded,
     Welcome,
-    decode,
-    encode,
 )
 
 MESSAGES = 10_000

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from hub_cases import WAIT_S, HubProcess, make_group, raw_actor
 
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Batch,
@@ -17,8 +18,6 @@ from asyncrl.protocol import (
     Hello,
     SampleRequest,
     Welcome,
-    decode,
-    encode,
 )
 
 

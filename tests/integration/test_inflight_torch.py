@@ -27,7 +27,7 @@ PROMPTS = ("3141:", "27:", "98765432:")
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny model of the same shape, other weights (the "new version")."""
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cache = tmp_path_factory.mktemp("other")
     return ensure_model(ModelConfig(cache_dir=str(cache), init_seed=7), TaskConfig())
@@ -102,7 +102,8 @@ def test_a_trajectory_spanning_two_versions_is_weighted_token_by_token(
     """Through the wire and the learner: with the learner at the new version, the importance
     weight π_prox/μ is 1 on the tokens the new version sampled and not on the older ones."""
     from asyncrl.config import LossConfig
-    from asyncrl.protocol import Group, Trajectory, decode, encode
+    from asyncrl.protocol.codec import decode, encode
+    from asyncrl.protocol.messages import Group, Trajectory
     from learner.batching import collate, token_logprobs
     from learner.losses import policy_loss
 

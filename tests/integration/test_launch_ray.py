@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.transport import free_port
+from asyncrl.transport.sockets import free_port
 
 pytest.importorskip("ray", reason="Ray not installed (pip install '.[ray]')")
 

@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import RunConfig, load_config
-from asyncrl.protocol import Batch, Group, Trajectory
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.messages import Batch, Group, Trajectory
+from asyncrl.transport.connection import HubConnection
 from learner.advantages import group_advantages
 from learner.batching import collate, token_logprobs
 from learner.loop import Learner

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import RunConfig, load_config
-from asyncrl.processes import Processes
-from asyncrl.run import prepare, wait_for_file
+from launch.processes import Processes
+from launch.run import prepare, wait_for_file
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.transport import free_port
+from asyncrl.transport.sockets import free_port
 
 WORKER = Path(__file__).with_name("world_worker.py")
 TOLERANCE = 2e-5

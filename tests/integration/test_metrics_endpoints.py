@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from asyncrl.transport import free_port
+from asyncrl.transport.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

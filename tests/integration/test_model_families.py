@@ -22,7 +22,7 @@ import torch
 
 from actors.engines.base import GenerationRequest, Sample
 from asyncrl.config import ModelConfig, TaskConfig, load_config
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 from asyncrl.weights.hf_layout import checkpoint_tensors
 from learner.batching import collate, token_logprobs
 from learner.checkpoint import save_checkpoint
@@ -84,7 +84,7 @@ def generate(engine: object, seed: int) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cache = tmp_path_factory.mktemp("families")
     return {
@@ -108,7 +108,7 @@ def train_one_step(model_dir: Path, samples: Sequence[Sample]) -> torch.nn.Modul
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     runner = StepRunner(cfg, model, make_adamw(model, 0.01, 0.0), pad_id=0)
-    from asyncrl.protocol import Batch
+    from asyncrl.protocol.messages import Batch
 
     group = to_group(samples, np.random.default_rng(1))
     runner.optimize(Batch(request_id=1, policy_version=0, groups=(group,)))

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.alarms import read_alarms
 from asyncrl.config import load_config
-from asyncrl.trajectory_store import load_table
+from learner.alarms import read_alarms
+from learner.trajectory_store import load_table
 from replay.evals import held_out_split
 from replay.prompts import load_dataset
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ModelConfig, TaskConfig
-from asyncrl.transport import free_port
+from asyncrl.transport.sockets import free_port
 
 WORKER = Path(__file__).with_name("publish_memory_worker.py")
 BUCKET_BYTES = 4 << 20
@@ -26,7 +26,7 @@ BUCKET_BYTES = 4 << 20
 
 @pytest.mark.slow
 def test_publish_from_shards_holds_at_most_three_buckets(tmp_path: Path) -> None:
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     shape = ModelConfig(
         cache_dir=str(tmp_path / "models"),

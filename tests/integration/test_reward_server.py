@@ -26,14 +26,8 @@ from wire_checks import dealer, refused, reply, wait_for
 from actors.rewards.rm_client import RewardModelClient
 from actors.rewards.rm_component import RewardModelComponent
 from actors.rewards.rm_model import RewardModel, weights_hash
-from asyncrl.protocol import (
-    PROTOCOL_VERSION,
-    Error,
-    Hello,
-    ScoreRequest,
-    Scores,
-    encode,
-)
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.messages import PROTOCOL_VERSION, Error, Hello, ScoreRequest, Scores
 
 
 @pytest.fixture(scope="module")

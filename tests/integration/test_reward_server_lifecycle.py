@@ -20,7 +20,7 @@ from reward_server_cases import (
 
 from actors.rewards.rm_client import RewardModelClient, RewardModelError
 from actors.rewards.rm_model import RewardModel
-from asyncrl.auth import keygen
+from asyncrl.transport.auth import keygen
 
 # --- timeouts, restarts, auth -------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ OBSERVATIONS = ("12:", "4:", "777:")  # appended after a first turn; lengths dif
 
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     cache = tmp_path_factory.mktemp("other")
     return ensure_model(ModelConfig(cache_dir=str(cache), init_seed=7), TaskConfig())

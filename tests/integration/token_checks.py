@@ -7,7 +7,7 @@ import torch
 from transformers import PreTrainedModel
 
 from actors.episodes import EpisodeGroup
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 
 
 def plain_logprobs(model: PreTrainedModel, context: list[int], tokens: np.ndarray) -> np.ndarray:

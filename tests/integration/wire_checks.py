@@ -10,7 +10,8 @@ from typing import Any
 
 import zmq
 
-from asyncrl.protocol import Error, Message, decode
+from asyncrl.protocol.codec import decode
+from asyncrl.protocol.messages import Error, Message
 
 WAIT_S = 60.0  # generous: a deadline for an answer, never a speed assertion
 

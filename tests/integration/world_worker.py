@@ -19,7 +19,7 @@ from typing import NoReturn
 import numpy as np
 
 from asyncrl.config import RunConfig, load_config
-from asyncrl.protocol import Batch, Group, Trajectory
+from asyncrl.protocol.messages import Batch, Group, Trajectory
 from learner.loop import Learner
 from learner.parallel import Op, init_world, leave_world, ranks_from_env, send_command
 

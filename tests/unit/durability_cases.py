@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from asyncrl.config import load_config
-from asyncrl.protocol import Group, Trajectory, encode
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.messages import Group, Trajectory
 from replay.durability import WriteAheadLog, read_records
 from replay.prompts import Prompt, PromptSource
 from replay.state import HubState

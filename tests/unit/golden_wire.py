@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     Ack,
     AlarmRaised,
     Batch,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from asyncrl.alarms import Alarm, AlarmMonitor, scan
 from asyncrl.config import AlarmsConfig, load_config
+from learner.alarms import Alarm, AlarmMonitor, scan
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 STREAMS = ("metrics_tiny_cpu_decoupled_eta4.jsonl.gz", "metrics_tiny_cpu_ppo_eta0.jsonl.gz")

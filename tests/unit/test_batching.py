@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 from learner.batching import TrainBatch, collate, pack_shared_prompts, token_logprobs
 
 

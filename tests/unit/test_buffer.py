@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 from replay.buffer import InsertResult, ReplayBuffer
 
 

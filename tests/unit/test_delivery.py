@@ -4,8 +4,7 @@ acknowledged, and what a restarted hub must hear again."""
 import numpy as np
 import pytest
 
-from asyncrl.delivery import Ledger
-from asyncrl.protocol import (
+from asyncrl.protocol.messages import (
     Ack,
     Batch,
     BatchAck,
@@ -18,6 +17,7 @@ from asyncrl.protocol import (
     Version,
     WeightsLoaded,
 )
+from asyncrl.transport.connection import Ledger
 
 
 def group(seq: int, credit_id: int) -> Group:

@@ -28,9 +28,9 @@ EXTERNAL = {"asyncrl-keys", "asyncrl-models"}
 def parse_asyncrl(argv: list[str]) -> Any:
     """Parse `asyncrl SUB ARGS` with SUB's own parser (SystemExit fails the test)."""
     from actors import actor_main
+    from launch import ray_cluster as launch
     from learner import main as learner_main
     from replay import main as replay_main
-    from tools import launch
 
     parsers = {
         "replay": replay_main.parse_args,

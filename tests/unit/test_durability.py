@@ -22,7 +22,7 @@ from durability_cases import (
     write_log,
 )
 
-from asyncrl.protocol import encode
+from asyncrl.protocol.codec import encode
 from replay.durability import HEADER, WriteAheadLog, pack_record
 from replay.state import SeqWindow
 

@@ -23,7 +23,7 @@ from actors.envs.tool_calls import CompactCalls, JsonCalls, ToolCall
 from actors.envs.tool_env import make_env as make_tools_env
 from actors.envs.toolbox import TOOLS, Toolbox, calculator, tool
 from asyncrl.config import TaskConfig
-from asyncrl.tiny_model import build_tokenizer
+from asyncrl.models.tiny import build_tokenizer
 
 # --- registry -------------------------------------------------------------------------------
 
@@ -275,7 +275,7 @@ def test_a_template_that_rewrites_past_turns_is_refused() -> None:
 def test_the_learner_logs_how_episodes_went() -> None:
     import numpy as np
 
-    from asyncrl.protocol import Group, Trajectory
+    from asyncrl.protocol.messages import Group, Trajectory
     from learner.loop import episode_metrics
 
     def traj(reason: str, turns: int, failed: str = "") -> Trajectory:

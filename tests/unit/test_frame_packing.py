@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire_cases import FAST, groups, rejected, same
 
-from asyncrl.frame_packing import ALIGN
-from asyncrl.protocol import Batch, Group, Trajectory, Version, decode, encode
+from asyncrl.protocol.codec import ALIGN, decode, encode
+from asyncrl.protocol.messages import Batch, Group, Trajectory, Version
 
 
 def batch_of(gs: list[Group]) -> Batch:

@@ -20,9 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire_cases import FAST, groups, header, same, wire
 
-from asyncrl import group_codec
-from asyncrl.group_codec import _HEAD, LOGPROB_SLACK, _values_ok, finish_group
-from asyncrl.protocol import Group, ProtocolError, decode
+from asyncrl.protocol import group_codec
+from asyncrl.protocol.codec import decode
+from asyncrl.protocol.group_codec import _HEAD, LOGPROB_SLACK, _values_ok, finish_group
+from asyncrl.protocol.messages import Group, ProtocolError
 from replay import wal_records
 
 hotpath = group_codec._hotpath
@@ -49,7 +50,7 @@ EDGES = [
 def test_the_extension_is_built() -> None:
     """setup.py builds it on any machine with a C compiler (as CI has): without it the hub
     scans with numpy, correct but slower, and this test says so."""
-    assert hotpath is not None, "asyncrl._hotpath was not built: pip install -e . with gcc"
+    assert hotpath is not None, "asyncrl.protocol._hotpath was not built: pip install -e . with gcc"
     assert group_codec._finish is hotpath.finish_group
 
 

@@ -10,9 +10,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 MODULES = [
     "asyncrl.config",
-    "asyncrl.protocol",
-    "asyncrl.transport",
-    "asyncrl.auth",
+    "asyncrl.protocol.messages",
+    "asyncrl.protocol.codec",
+    "asyncrl.protocol.group_codec",
+    "asyncrl.transport.sockets",
+    "asyncrl.transport.connection",
+    "asyncrl.transport.auth",
     "asyncrl.cli",
     "replay.buffer",
     "replay.admission",
@@ -51,7 +54,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "ray")))
 
 def test_ray_stays_optional() -> None:
     """Every process role and the launcher module itself import Ray only when launching."""
-    roles = ["asyncrl.run", "actors.actor_main", "learner.loop", "replay.main", "tools.launch"]
+    roles = ["launch.run", "actors.actor_main", "learner.loop", "replay.main", "launch.ray_cluster"]
     out = subprocess.run(
         [sys.executable, "-c", RAY_PROBE, *roles],
         cwd=REPO,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from asyncrl.config import TrajectoriesConfig
-from asyncrl.protocol import Group, Trajectory
-from asyncrl.trajectory_store import Kept, TrajectoryWriter, build_table, load_table
+from asyncrl.protocol.messages import Group, Trajectory
 from learner.observe import start_wandb
+from learner.trajectory_store import Kept, TrajectoryWriter, build_table, load_table
 from tools.inspect import show, turns
 
 
@@ -101,8 +101,8 @@ def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> N
     """The reward monitor's alarms go through the observer: one alarms.jsonl, one shape."""
     import threading
 
-    from asyncrl.alarms import read_alarms
     from asyncrl.config import RewardConfig, RunConfig
+    from learner.alarms import read_alarms
     from learner.observe import LearnerObserver
     from learner.reward_monitor import RewardMonitor
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import zmq
 
 from asyncrl.config import ReplayConfig
-from asyncrl.transport import bind_router, free_port, listen_port_range
+from asyncrl.transport.sockets import bind_router, free_port, listen_port_range
 
 
 def test_the_range_ends_where_the_kernel_starts_handing_out_ports() -> None:

@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire_cases import FAST, builds, edited, header, rejected, same, values, wire
 
-from asyncrl.group_codec import decode_group
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.group_codec import decode_group
+from asyncrl.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
@@ -25,8 +26,6 @@ from asyncrl.protocol import (
     ProtocolError,
     Version,
     check_hello,
-    decode,
-    encode,
 )
 
 # --- round trips --------------------------------------------------------------------------------

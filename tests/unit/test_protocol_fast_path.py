@@ -15,9 +15,9 @@ from golden_wire import GOLDEN_COMPONENTS_HEADER, GOLDEN_MESSAGES, GROUP
 from hypothesis import given
 from wire_cases import FAST, builds, edited, groups, header, rejected, same, wire
 
-from asyncrl.credit_codec import decode_credits
-from asyncrl.group_codec import decode_group
-from asyncrl.protocol import (
+from asyncrl.protocol.codec import decode
+from asyncrl.protocol.group_codec import decode_credits, decode_group
+from asyncrl.protocol.messages import (
     Ack,
     Batch,
     CreditItem,
@@ -25,7 +25,6 @@ from asyncrl.protocol import (
     Group,
     ProtocolError,
     Trajectory,
-    decode,
 )
 
 # --- appended fields, the group fast path, trusted batches --------------------------------------

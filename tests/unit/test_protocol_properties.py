@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_cases import builds
 
-from asyncrl.protocol import MESSAGE_TYPES, BatchAck, Hello, ProtocolError, Welcome, decode, encode
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import MESSAGE_TYPES, BatchAck, Hello, ProtocolError, Welcome
 
 PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WRONG = {  # a value of each msgpack kind, and the kinds it stands in for

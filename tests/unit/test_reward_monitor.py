@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.config import RewardConfig
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 from learner.reward_monitor import RewardMonitor, component_means
 
 

@@ -1,10 +1,10 @@
-"""asyncrl.run's metrics tail: new records only, torn lines left for later or skipped."""
+"""launch.run's metrics tail: new records only, torn lines left for later or skipped."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.run import MetricsTail, progress_line, read_metrics
+from launch.run import MetricsTail, progress_line, read_metrics
 
 
 def _row(step: int) -> str:

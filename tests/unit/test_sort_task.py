@@ -16,7 +16,7 @@ from actors.envs.sort_task import (
     write_dataset,
 )
 from asyncrl.config import TaskConfig
-from asyncrl.tiny_model import ALPHABET
+from asyncrl.models.tiny import ALPHABET
 
 
 def test_prompts_are_deterministic_in_the_seed() -> None:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig
-from asyncrl.protocol import Group, Trajectory, decode, encode
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.messages import Group, Trajectory
 from learner.batching import collate
 from learner.losses import policy_loss
 

@@ -13,15 +13,8 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from asyncrl.protocol import (
-    FINISH_REASONS,
-    Group,
-    ProtocolError,
-    Trajectory,
-    decode,
-    encode,
-)
-from asyncrl.wire_specs import SPECS
+from asyncrl.protocol.codec import SPECS, decode, encode
+from asyncrl.protocol.messages import FINISH_REASONS, Group, ProtocolError, Trajectory
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -1,4 +1,8 @@
-"""The codec's hot path: `Group` headers in and out, and the group consistency rules.
+"""The codec's hot paths: `Group` headers in and out with the group consistency rules, and
+`Credits`, the message an actor decodes most; compiled where asyncrl/protocol/_hotpath.c was
+built, with a Python reference where it was not.
+
+The codec's hot path: `Group` headers in and out, and the group consistency rules.
 
 Groups are nearly all the bytes and most of the messages asyncrl moves, and every one is
 decoded at least twice (the hub on arrival, the learner inside a `Batch`), so they get a
@@ -43,6 +47,17 @@ read back from the hub's own log): the fast path then skips the value scans and 
 between fields, and still checks types, list lengths and array sizes, so a
 decoded group is always safe to index (and the rules on single values, which parsing checks at
 no cost).
+
+The compiled fast path for `Credits`, the message an actor decodes most: one item for every
+group it will push, so decoding them generically (a Python check per field of every item)
+would cost the actor more than encoding the group it pushes for that credit.
+
+`decode_credits` takes a Credits header exactly as `encode` writes it (the known keys only, no
+array frames): msgspec parses and type-checks it into typed structs, `info` (the one free-form
+map) is decoded by msgpack as the generic path decodes it. Anything unusual (an unknown key, a
+wrong type, a frame too many) answers None and the caller takes the generic path of
+asyncrl/protocol.py, which names what is wrong; so the fast path never accepts what the generic
+path refuses (tests/unit/test_protocol_fast_path.py pins it).
 """
 
 from __future__ import annotations
@@ -59,10 +74,17 @@ import msgpack
 import msgspec
 import numpy as np
 
-from asyncrl.messages import FINISH_REASONS, PROTOCOL_VERSION, Group, ProtocolError
+from asyncrl.protocol.messages import (
+    FINISH_REASONS,
+    PROTOCOL_VERSION,
+    CreditItem,
+    Credits,
+    Group,
+    ProtocolError,
+)
 
 try:
-    from asyncrl import _hotpath
+    from asyncrl.protocol import _hotpath
 except ImportError:  # installed without a C compiler (setup.py): the Python below does it all
     _hotpath = None
 
@@ -445,3 +467,56 @@ def payload(arr: np.ndarray) -> Any:
         if whole is not None and whole.nbytes == arr.nbytes and hasattr(frame, "more"):
             return frame if arr.nbytes else b""
     return arr.data if arr.size else b""
+
+
+_EMPTY_MAP = b"\x80"  # msgpack's empty map: `info` as nearly every credit has it
+
+
+class _Item(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    credit_id: int
+    prompt_id: str
+    prompt: str
+    seed: int
+    info: msgspec.Raw = msgspec.Raw(_EMPTY_MAP)
+
+
+class _Credits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    group_size: int
+    policy_version: int
+    items: list[_Item]
+    type: str = ""
+    protocol: int = 0
+
+
+for _cls, _struct in ((CreditItem, _Item), (Credits, _Credits)):  # a field added there, add here
+    _names = [f.name for f in dataclasses.fields(_cls)]
+    assert list(_struct.__struct_fields__[: len(_names)]) == _names, f"{_cls.__name__}: {_names}"
+
+_DECODE = msgspec.msgpack.Decoder(_Credits).decode
+_asdict = msgspec.structs.asdict
+_PARSE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def decode_credits(bufs: list[memoryview]) -> Credits | None:
+    """The Credits message in `bufs` (its header alone), or None when anything about it is
+    unusual (the generic decoder then decides)."""
+    if len(bufs) != 1:
+        return None
+    try:
+        c = _DECODE(bufs[0])
+    except _PARSE_ERRORS:
+        return None
+    if c.type != "Credits" or c.protocol != PROTOCOL_VERSION:
+        return None
+    items = []
+    for item in c.items:
+        fields = _asdict(item)  # CreditItem's fields in order
+        if bytes(item.info) == _EMPTY_MAP:
+            fields["info"] = {}
+        elif (info := raw_map(item.info)) is not None:
+            fields["info"] = info
+        else:
+            return None
+        items.append(new_message(CreditItem, fields))
+    fields = {"group_size": c.group_size, "policy_version": c.policy_version, "items": tuple(items)}
+    return new_message(Credits, fields)

@@ -40,7 +40,7 @@ import numpy as np
 
 from asyncrl.config import TrajectoriesConfig
 from asyncrl.files import replace_text
-from asyncrl.protocol import Group, Trajectory
+from asyncrl.protocol.messages import Group, Trajectory
 
 STORE_DIR = "trajectories"
 META_FILE = "meta.json"

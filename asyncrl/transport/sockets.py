@@ -26,8 +26,8 @@ from typing import Any
 
 import zmq
 
-from asyncrl import auth
 from asyncrl.config import ReplayConfig
+from asyncrl.transport import auth
 
 LINGER_MS = 1000
 
@@ -213,12 +213,3 @@ def connect_dealer(
         auth.make_client(dealer, auth_dir, client_id)
     dealer.connect(endpoint)
     return dealer
-
-
-def __getattr__(name: str) -> Any:
-    """`HubConnection` is re-exported lazily: asyncrl/hub_connection.py imports this module."""
-    if name == "HubConnection":
-        from asyncrl.hub_connection import HubConnection
-
-        return HubConnection
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncrl.processes import Processes
+    from launch.processes import Processes
 
 BACKOFF_MAX_S = 30.0
 

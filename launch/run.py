@@ -40,15 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig, load_config, to_toml
-from asyncrl.processes import Processes
-from asyncrl.supervise import Supervisor
+from launch.processes import Processes
+from launch.supervise import Supervisor
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
     """Resolved config, the hub's prompts (from the task registry) and the model, before any
     process starts."""
     from actors.envs.registry import write_prompts
-    from asyncrl.tiny_model import ensure_model
+    from asyncrl.models.tiny import ensure_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"

@@ -36,7 +36,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from asyncrl.config import ModelConfig, TaskConfig
-from asyncrl.model_families import family_config
+from asyncrl.models.families import family_config
 
 BUILD_FORMAT = 1
 """Bumped whenever the built files change for the same settings (invalidates cached builds)."""

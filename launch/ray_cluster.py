@@ -69,7 +69,7 @@ class RoleRunner:
         return str(ray.util.get_node_ip_address())
 
     def free_port(self) -> int:
-        from asyncrl.transport import free_port
+        from asyncrl.transport.sockets import free_port
 
         return free_port(self.node_ip())
 
@@ -309,14 +309,7 @@ def launch(cfg: RunConfig, run_dir: Path, address: str) -> dict[str, Any]:
     """Place everything on the Ray cluster at `address`, run until the learner ends."""
     import ray
 
-    from asyncrl.run import (
-        MetricsTail,
-        plot_reward,
-        prepare,
-        progress_line,
-        read_metrics,
-        summarize,
-    )
+    from launch.run import MetricsTail, plot_reward, prepare, progress_line, read_metrics, summarize
 
     config_path, dataset = prepare(cfg, run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
