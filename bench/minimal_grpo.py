@@ -43,9 +43,8 @@ from bench_common import environment, spread  # noqa: E402
 
 from actors.engines.base import GenerationRequest  # noqa: E402
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.envs.sort_task import make_prompts  # noqa: E402
+from actors.envs.sort_task import make_prompts, make_verifier  # noqa: E402
 from actors.rewards.base import safe_score  # noqa: E402
-from actors.rewards.sort_verifier import make_verifier  # noqa: E402
 from asyncrl.config import RunConfig, load_config  # noqa: E402
 from asyncrl.models.tiny import ensure_model  # noqa: E402
 from learner.policy_model import make_adamw  # noqa: E402

@@ -32,7 +32,7 @@ BACKOFF_MAX_S = 30.0
 
 
 class Supervisor:
-    """Restarts crashed children of a `Processes` (asyncrl/processes.py) by name."""
+    """Restarts crashed children of a `Processes` (launch/processes.py) by name."""
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ A text is scored whole (the server reads the score at its last token); `submit` 
 `prompts[i] + completions[i]`. Failures raise `RewardModelError` with `code` (`bad_request`,
 `model_error`, `timeout`, `overloaded`, `closed`...), `field` and `detail`: a refused request at
 once, a retryable one (`timeout`, `overloaded`, no reply) once its retries are spent.
-The `reward_model` reward component built on it is actors/rewards/rm_component.py.
+The `reward_model` reward component that uses it is actors/rewards/rm_component.py.
 """
 
 from __future__ import annotations
@@ -377,12 +377,3 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def __getattr__(name: str) -> Any:
-    """The component's names, kept importable from here (actors/rewards/rm_component.py)."""
-    if name in ("RewardModelComponent", "PendingScores", "ComponentScore", "ScoredText"):
-        from actors.rewards import rm_component
-
-        return getattr(rm_component, name)
-    raise AttributeError(name)

@@ -3,7 +3,7 @@
 `ensure_reward_model(cache_dir, num_digits)` returns a Hugging Face directory holding a
 `LlamaForSequenceClassification` (num_labels=1, pad token `<pad>`) with the tiny character
 tokenizer of asyncrl/tiny_model.py. It is fitted by regression on generated completions of
-sort prompts, labelled by the task's verifier (actors/rewards/sort_verifier.py): exact
+sort prompts, labelled by the task's verifier (actors/envs/sort_task.py): exact
 answers, the prompt's digits in other orders, wrong digits, too short or too long answers,
 with and without `<eos>`. So its score tracks sort correctness (`fit.json` in the directory
 records the held-out correlation with the verifier) and a policy trained with it visibly
@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from actors.envs.sort_task import answer_for, render_prompt
-from actors.rewards.sort_verifier import SortVerifier
+from actors.envs.sort_task import SortVerifier, answer_for, render_prompt
 from asyncrl.models.tiny import BOS, EOS, MAX_POSITIONS, PAD, build_once, build_tokenizer, vocab
 
 BUILD_FORMAT = 1

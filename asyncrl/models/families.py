@@ -1,6 +1,6 @@
 """Configs of the tiny models asyncrl builds locally, one per model family (`model.arch`).
 
-Every family shares the tiny character tokenizer (asyncrl/tiny_model.py) and the widths of
+Every family shares the tiny character tokenizer (asyncrl/models/tiny.py) and the widths of
 `ModelConfig`; what differs is what the weight path must get right for it:
 
 | arch        | transformers class   | what it exercises                                          |

@@ -12,7 +12,7 @@ downloaded):
   made with `tokenizers`, prepends `<bos>` to every encoded text, and is saved as a
   `PreTrainedTokenizerFast`;
 - model: `LlamaForCausalLM` with untied embeddings (or another family, `model.arch`: see
-  asyncrl/model_families.py), widths from `ModelConfig`, seeded random initialisation
+  asyncrl/models/families.py), widths from `ModelConfig`, seeded random initialisation
   (`model.init_seed`), saved as safetensors in `model.dtype`.
 
 Builds are atomic: a process builds into a private temporary directory and renames it into

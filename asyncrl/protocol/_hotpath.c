@@ -108,7 +108,7 @@ static PyObject *values_ok(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(ok);
 }
 
-/* --- finish_group: what asyncrl/group_codec.py's fast path does after msgspec parsed a header - */
+/* --- finish_group: what asyncrl/protocol/group_codec.py's fast path does after msgspec parsed a header - */
 
 enum {
     A_SEQ, A_PROMPT, A_LO, A_HI, A_REWARDS, A_TRAJ, A_FINISH, A_FAILED, /* one entry per trajectory */
@@ -483,7 +483,7 @@ static PyMethodDef methods[] = {
      "0 or 1, logprobs in (-inf, slack] (no NaN); buffers of int32, uint8, float32."},
     {"configure", configure, METH_VARARGS,
      "configure(fields, protocol, slack, Group, raw_map, spans_problem, frombuffer, int32, uint8, "
-     "float32): what finish_group needs from asyncrl/group_codec.py (called once at import)."},
+     "float32): what finish_group needs from asyncrl/protocol/group_codec.py (called once at import)."},
     {"finish_group", (PyCFunction)(void (*)(void))finish_group, METH_FASTCALL,
      "finish_group(head, bufs, values) -> Group | None: a parsed Group header and its four "
      "frames as a Group, or None when anything about them is unusual."},
@@ -492,7 +492,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "asyncrl._hotpath",
-    "The end of the group fast path, compiled (asyncrl/_hotpath.c).", -1, methods,
+    "The end of the group fast path, compiled (asyncrl/protocol/_hotpath.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__hotpath(void) { return PyModule_Create(&module); }

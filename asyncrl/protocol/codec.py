@@ -1,7 +1,6 @@
-"""The wire protocol: how asyncrl's messages (asyncrl/protocol/messages.py) travel; the schema
-of every message, the encoder, the decoder and Batch frame packing.
-
-The wire protocol: how asyncrl's messages (asyncrl/messages.py) travel, and its codec.
+"""The wire protocol: how asyncrl's messages (asyncrl/protocol/messages.py) travel. This module
+owns the codec: the wire schema of every message, the encoder, the decoder, and Batch frame
+packing. The hot paths for groups and credits are asyncrl/protocol/group_codec.py.
 
 A message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the header:
 ``{"type": <name>, "protocol": PROTOCOL_VERSION, <field>: <value>, ...}``. Array fields are
@@ -12,9 +11,8 @@ that carries groups (a `Batch`) embeds each as a whole Group message: its header
 many frames each group takes (``"groups": [4, 4, ...]``) and those frames follow, each group's
 header first, its array references counted from its own header (protocol 2; a hub forwards
 the frames it received). A Batch may come packed: all its frames after the header in one,
-their sizes in the header's ``"packed"`` (protocol 3; asyncrl/py). Nothing is
-ever pickled. Every name of asyncrl/messages.py is
-re-exported here.
+their sizes in the header's ``"packed"`` (protocol 3; frame packing, below). Nothing
+is ever pickled.
 
 Evolution: fields are only appended, with defaults; a decoder ignores header keys it does not
 know and fills defaults for keys it does not get. An appended field marked `omit_default` is
@@ -24,24 +22,18 @@ tests/unit/test_protocol.py.
 
 Decoding validates everything and raises `ProtocolError` naming the field: the header type,
 field types, array dtypes and shapes, the consistency of a group's token arrays with its
-prompt lengths, finite floats, and the total size against the configured limit (the decoder
-lives in asyncrl/wire_decode.py; this module encodes). Groups, the bulk of the traffic, take a
-compiled fast path first (asyncrl/group_codec.py) that accepts only what the generic path
+prompt lengths, finite floats, and the total size against the configured limit. Groups, the bulk of the traffic, take a
+compiled fast path first (asyncrl/protocol/group_codec.py) that accepts only what the generic path
 accepts, and hands anything unusual to it.
 `decode(..., check_values=False)` skips what the hub checked when a group arrived: the values
 of its arrays and the rules between its fields (see group_codec: for batches from the hub).
 
-The wire schema of every message, computed once from its dataclass (asyncrl/messages.py):
-each field's kind (int, float, str, bool, map, lists, array, nested messages), whether it is
-required, its default, and for arrays their dtype and rank. asyncrl/protocol.py encodes and
-decodes by these specs.
-
-The wire protocol's decoder (`decode`, re-exported by asyncrl/protocol.py, which says what
-the bytes look like): frames in, a validated message out, or `ProtocolError` naming the field.
-
-Groups and credits, most of the traffic, take compiled fast paths first (asyncrl/group_codec.py,
-asyncrl/credit_codec.py); anything unusual comes down to the generic path here, which checks
-every field against its spec (asyncrl/wire_specs.py) and names whatever is wrong.
+The wire schema (`SPECS`) of every message is computed once from its dataclass: each field's
+kind (int, float, str, bool, map, lists, array, nested messages), whether it is required, its
+default, and for arrays their dtype and rank. `encode` and `decode` work by these specs. The
+decoder: frames in, a validated message out, or `ProtocolError` naming the field. Groups and
+credits, most of the traffic, take the compiled fast paths first; anything unusual comes down to
+the generic path here, which checks every field against its spec and names whatever is wrong.
 
 Frame packing: the buffers of a `Batch` in one frame instead of four per group.
 
@@ -298,7 +290,7 @@ def decode(
 ) -> Message:
     """Frames -> message, validating everything. Raises `ProtocolError` naming the field.
 
-    `check_values=False` is for groups the hub has already checked (asyncrl/group_codec.py):
+    `check_values=False` is for groups the hub has already checked (asyncrl/protocol/group_codec.py):
     the values of their arrays are not scanned again, nor the rules between their fields;
     types, list lengths and array sizes still are.
     """

@@ -2,15 +2,13 @@
 `Credits`, the message an actor decodes most; compiled where asyncrl/protocol/_hotpath.c was
 built, with a Python reference where it was not.
 
-The codec's hot path: `Group` headers in and out, and the group consistency rules.
-
 Groups are nearly all the bytes and most of the messages asyncrl moves, and every one is
 decoded at least twice (the hub on arrival, the learner inside a `Batch`), so they get a
 decoder of their own. `decode_group` takes a whole Group message in the canonical layout that
 `encode` writes (header with exactly the known keys, array frames 1, 2, 3 in field order): the
 header is parsed and type-checked in compiled code (msgspec, into `_Head`), then the rules
 between fields take a handful of bulk checks. Anything else (an unknown key, an odd layout, a
-refusal) answers None, and the caller takes the generic path of asyncrl/protocol.py, which
+refusal) answers None, and the caller takes the generic path of asyncrl/protocol/codec.py, which
 finds and names whatever is wrong. The fast path never accepts what the generic path refuses
 (tests/unit/test_protocol_fast_path.py pins it: typed parsing is at least as strict as msgpack
 with strict map keys, and `metadata`, the one free-form map, is decoded by msgpack itself).
@@ -36,7 +34,7 @@ What a valid group is (`check_group` states it field by field):
   and then off the wire).
 
 The value rules (ids, masks, logprobs) scan the arrays: the only per-byte work of a decode.
-After msgspec, the fast path is one call into asyncrl/_hotpath.c where that module was built
+After msgspec, the fast path is one call into asyncrl/protocol/_hotpath.c where that module was built
 (setup.py; it needs a C compiler): the length rules, the rules between fields, the array
 references and sizes, one pass over each array and the Group itself. `finish_group` below is
 the same in Python and numpy, the reference that tests/unit/test_hotpath.py holds the compiled
@@ -48,7 +46,7 @@ between fields, and still checks types, list lengths and array sizes, so a
 decoded group is always safe to index (and the rules on single values, which parsing checks at
 no cost).
 
-The compiled fast path for `Credits`, the message an actor decodes most: one item for every
+The fast path for `Credits`, the message an actor decodes most: one item for every
 group it will push, so decoding them generically (a Python check per field of every item)
 would cost the actor more than encoding the group it pushes for that credit.
 
@@ -56,7 +54,7 @@ would cost the actor more than encoding the group it pushes for that credit.
 array frames): msgspec parses and type-checks it into typed structs, `info` (the one free-form
 map) is decoded by msgpack as the generic path decodes it. Anything unusual (an unknown key, a
 wrong type, a frame too many) answers None and the caller takes the generic path of
-asyncrl/protocol.py, which names what is wrong; so the fast path never accepts what the generic
+asyncrl/protocol/codec.py, which names what is wrong; so the fast path never accepts what the generic
 path refuses (tests/unit/test_protocol_fast_path.py pins it).
 """
 
@@ -187,7 +185,7 @@ def decode_group(bufs: list[memoryview], values: bool) -> Group | None:
 
 def finish_group(h: _Head, bufs: list[memoryview], values: bool) -> Group | None:
     """A parsed header and its frames as a Group, or None: the reference for
-    asyncrl/_hotpath.c's `finish_group`, which does the same in one call where it was built."""
+    asyncrl/protocol/_hotpath.c's `finish_group`, which does the same in one call where it was built."""
     if h.type != "Group" or h.protocol != PROTOCOL_VERSION or len(bufs) != 4:
         return None
     seq_lens, prompt_lens, lo, hi = (

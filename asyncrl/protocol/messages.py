@@ -468,7 +468,7 @@ class Status:
 
 @dataclass(frozen=True, kw_only=True)
 class AlarmRaised:
-    """The learner's stability alarm fired (asyncrl/alarms.py); `action` is warn, pause (the
+    """The learner's stability alarm fired (learner/alarms.py); `action` is warn, pause (the
     hub grants no more credits until resumed) or stop (the learner checkpoints and stops)."""
 
     TYPE: ClassVar[str] = "AlarmRaised"

@@ -1,6 +1,4 @@
-"""`HubConnection`, an actor's or a learner's connection to the hub, and its `Ledger`.
-
-`HubConnection`: an actor's or a learner's connection to the hub.
+"""`HubConnection`: an actor's or a learner's connection to the hub, and its `Ledger`.
 
 One I/O thread owns the DEALER socket, because ZeroMQ sockets are not thread-safe:
 
@@ -15,7 +13,7 @@ take them; the hub's credits bound how many groups an actor can have in flight a
 
 Delivery of groups (at-least-once, deduplicated by the hub on (actor_id, seq)); what it has to
 remember (credits, unacked groups, the latest Version, BatchAck and SampleRequest) is the
-connection's `Ledger` (asyncrl/delivery.py):
+connection's `Ledger` (below):
 - A `Group` stays in `unacked` until the hub acknowledges its seq (`Ack.seq`, or one of
   `Ack.seqs`: the connection asks for batched acks in its Hello). A client may send a group
   only for a credit it holds; the credit is spent on send.
@@ -42,9 +40,8 @@ Trust: the hub checked every group in full (array values, the rules between fiel
 group arrived, and a `Batch` forwards those very bytes, so messages from the hub are decoded
 with `check_values=False`: only types, list lengths and array sizes are checked again.
 
-`Ledger`: what a hub client owes the hub and holds from it, kept across hub restarts.
-
-A `HubConnection` sends and receives; its ledger remembers what delivery needs:
+`Ledger`: what a hub client owes the hub and holds from it, kept across hub restarts. A
+`HubConnection` sends and receives; its ledger remembers what delivery needs:
 
 - credits: those the current hub granted and this client has not used (`held`), and those of a
   previous hub incarnation (`retired`), each usable once for a group already being generated;

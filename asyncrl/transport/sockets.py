@@ -1,12 +1,11 @@
 """Sockets: the hub's ROUTER (`bind_router`), the clients' DEALER (`connect_dealer`), the
 multipart send/receive both sides use, and where listening ports are picked when none is given
 (`listen_port_range`, `free_port`: below the kernel's ephemeral range). The client connection
-itself, `HubConnection`, lives in asyncrl/hub_connection.py and is re-exported here
-(`from asyncrl.transport import HubConnection`).
+itself, `HubConnection`, is asyncrl/transport/connection.py.
 
-Only this module and asyncrl/hub_connection.py create ZeroMQ sockets. Both sides set explicit
+Only this module and asyncrl/transport/connection.py create ZeroMQ sockets. Both sides set explicit
 high-water marks, `MAXMSGSIZE`, `LINGER` and ZMTP heartbeats; with `auth_dir` both sides use
-CURVE (asyncrl/auth.py). Without auth the hub refuses to bind anything but loopback or ipc.
+CURVE (asyncrl/transport/auth.py). Without auth the hub refuses to bind anything but loopback or ipc.
 
 Zero-copy: frames are received with `copy=False` (a `zmq.Frame` owns the bytes ZeroMQ read,
 and decoded arrays are views of it) and sent with `copy=False`: a received frame sent again

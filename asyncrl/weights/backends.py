@@ -1,8 +1,6 @@
 """Broadcast groups: the protocol both backends implement, its gloo implementation and its NCCL
 implementation (GPU, through `cupy.cuda.nccl`, imported lazily).
 
-Broadcast groups: the protocol both backends implement, and its gloo implementation.
-
 One `BroadcastGroup` is one epoch of the weight-broadcast membership: rank 0 is the learner,
 ranks 1..n the actors of the announcement. Groups are formed over the learner's `TCPStore`
 under a per-epoch `PrefixStore` namespace and are never the default process group (the
@@ -19,9 +17,7 @@ can be interrupted (a newer epoch was announced). gloo cannot cancel an operatio
 failed group is parked in a graveyard and released once its operations have finished; it is
 never used again.
 
-The NCCL broadcast group (GPU), through `cupy.cuda.nccl`.
-
-Same contract as `gloo_backend.GlooGroup`: one group per epoch, rank 0 sends, every rank calls
+The NCCL broadcast group (`NcclGroup`): same contract as `GlooGroup`: one group per epoch, rank 0 sends, every rank calls
 `broadcast(buffers)` with the plan's buckets in order. Differences that matter on GPUs:
 
 - rank 0 makes a fresh NCCL unique id per epoch; it travels in the announcement

@@ -38,8 +38,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from wire_checks import wait_for
 
-from actors.envs.sort_task import read_dataset, write_dataset
-from actors.rewards.sort_verifier import SortVerifier
+from actors.envs.sort_task import SortVerifier, read_dataset, write_dataset
 from asyncrl.protocol.messages import Group, Version
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
 from asyncrl.weights.digest import digest_named_tensors

@@ -15,9 +15,8 @@ from transformers import AutoTokenizer
 
 from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
-from actors.envs.sort_task import SortEnv
+from actors.envs.sort_task import SortEnv, SortVerifier
 from actors.rewards.base import RewardResult
-from actors.rewards.sort_verifier import SortVerifier
 from asyncrl.config import load_config
 from asyncrl.protocol.messages import Credits
 from asyncrl.transport.connection import HubConnection

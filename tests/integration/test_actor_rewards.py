@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from actor_cases import Learner, actor_on_hub
 
-from actors.envs.sort_task import SortEnv, read_dataset
-from actors.rewards.sort_verifier import SortVerifier
+from actors.envs.sort_task import SortEnv, SortVerifier, read_dataset
 from asyncrl.config import load_config, to_toml
 
 PICKY = '''

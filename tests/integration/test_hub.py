@@ -114,8 +114,8 @@ def test_the_hub_runs_the_io_threads_it_is_given(tmp_path: Path, hubs: list) -> 
 
 DEAD_ACTOR = """
 import sys, time
-from asyncrl.protocol import Credits
-from asyncrl.transport import HubConnection
+from asyncrl.protocol.messages import Credits
+from asyncrl.transport.connection import HubConnection
 conn = HubConnection(sys.argv[1], role="actor", client_id="doomed", config_hash=sys.argv[2],
                      concurrency=4, heartbeat_interval_s=0.2)
 conn.start()

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.envs.sort_task import SortVerifier, make_verifier
 from actors.rewards.base import RewardResult, safe_score
-from actors.rewards.sort_verifier import SortVerifier, make_verifier
 from asyncrl.config import TaskConfig
 
 INFO = {"digits": "3141", "answer": "1134"}
