@@ -135,8 +135,8 @@ def resource_options(cfg: RunConfig, role: str) -> dict[str, Any]:
         }
         if launch.actor_memory_gb:
             opts["memory"] = int(launch.actor_memory_gb * 2**30)
-        if launch.custom_resources():
-            opts["resources"] = launch.custom_resources()
+        if launch.actor_resources:
+            opts["resources"] = dict(launch.actor_resources)
         return opts
     opts = {"num_cpus": launch.learner_cpus, "num_gpus": launch.learner_gpus}
     if launch.learner_memory_gb:

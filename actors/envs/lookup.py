@@ -80,7 +80,7 @@ def lookup_reward(row: Row, answer: str, history: History) -> tuple[float, dict[
 def make_env(task: TaskConfig) -> ToolEnv:
     """The registry's factory of `lookup` episodes."""
     return ToolEnv(
-        Toolbox(task.tool_names or ("lookup",)),
+        Toolbox(task.tools or ("lookup",)),
         CompactCalls(tool="lookup", argument="key", argument_chars="0123456789"),
         lookup_reward,
         max_tool_calls=task.max_tool_calls,

@@ -112,7 +112,7 @@ def answer_match(row: Row, answer: str, history: History) -> tuple[float, dict[s
 def make_env(task: TaskConfig) -> ToolEnv:
     """The registry's factory of `tools` episodes."""
     return ToolEnv(
-        Toolbox(task.tool_names or DEFAULT_TOOLS),
+        Toolbox(task.tools or DEFAULT_TOOLS),
         JsonCalls(),
         answer_match,
         max_tool_calls=task.max_tool_calls,

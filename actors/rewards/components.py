@@ -16,7 +16,7 @@ Rules a component keeps (the pipeline enforces them and records a breach as a fa
 
 Components are looked up by name (`COMPONENTS`: name -> "module:function", imported lazily);
 the factory is `make_component(cfg: RunConfig) -> RewardComponent`. A user's own component
-is configured as `[reward] modules = "name=pkg.mod:make_component"`.
+is configured as `[reward.modules] name = "pkg.mod:make_component"`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ COMPONENTS: dict[str, str] = {
     "judge": "actors.rewards.judge:make_component",
     "reward_model": "actors.rewards.components:make_reward_model",
 }
-"""Built-in components by name. Add yours with `[reward] modules = "name=pkg.mod:fn"`."""
+"""Built-in components by name. Add yours with `[reward.modules] name = "pkg.mod:fn"`."""
 
 ComponentFactory = Callable[[RunConfig], RewardComponent]
 
@@ -151,12 +151,12 @@ def make_task(cfg: RunConfig) -> RewardComponent:
 
 def component_factory(name: str, cfg: RunConfig) -> ComponentFactory:
     """The factory of component `name`: a user module from `reward.modules`, else built-in."""
-    target = cfg.reward.module_targets.get(name) or COMPONENTS.get(name)
+    target = cfg.reward.modules.get(name) or COMPONENTS.get(name)
     if target is None:
         known = ", ".join(sorted(COMPONENTS))
         raise ValueError(
             f"reward.weights: unknown component {name!r} (known: {known}; "
-            'or add it with reward.modules = "name=pkg.mod:make_component")'
+            'or add it under [reward.modules] as name = "pkg.mod:make_component")'
         )
     module_name, _, attr = target.partition(":")
     try:

@@ -10,7 +10,7 @@
   reward (any finite float)
 ```
 
-The rule comes from `[reward]` in the run config (`RewardConfig`, asyncrl/config_rewards.py);
+The rule comes from `[reward]` in the run config (`RewardConfig`, asyncrl/config.py);
 its hash goes into every trajectory's provenance, so a reward can be traced to the rule that
 made it.
 """
@@ -43,7 +43,7 @@ class ComposeRule:
     def from_config(cls, reward: RewardConfig) -> ComposeRule:
         clip = (reward.clip_min, reward.clip_max) if reward.clip_max > reward.clip_min else None
         return cls(
-            weights=reward.weight_map,
+            weights={name: float(w) for name, w in reward.weights.items()},
             gates=tuple(reward.gate_list),
             gate_reward=reward.gate_reward,
             clip=clip,

@@ -129,8 +129,17 @@ def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, values in raw.items():
         if section in {f.name for f in dataclasses.fields(RunConfig)}:
-            known = {f.name for f in dataclasses.fields(getattr(defaults, section))}
-            out[section] = {k: v for k, v in values.items() if k in known}
+            section_defaults = getattr(defaults, section)
+            known = {f.name for f in dataclasses.fields(section_defaults)}
+            # Lists and maps that older results recorded as comma-separated strings are dropped.
+            out[section] = {
+                k: v
+                for k, v in values.items()
+                if k in known
+                and not (
+                    isinstance(v, str) and isinstance(getattr(section_defaults, k), tuple | dict)
+                )
+            }
     return out
 
 

@@ -49,9 +49,9 @@ def test_drop_group_policy_and_component_values_on_the_wire(
             "learner.groups_per_step=1",
             "replay.max_staleness=1000",
             "task.num_prompts=400",
-            'reward.weights="task=1, picky=1"',
+            "reward.weights={task = 1, picky = 1}",
             'reward.on_failure="drop_group"',
-            'reward.modules="picky=picky_scorer:make_component"',
+            'reward.modules.picky="picky_scorer:make_component"',
         ],
     )
     config = tmp_path / "config.toml"

@@ -125,7 +125,7 @@ def watch_frames(run_dir: Path, count: int) -> list[str]:
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     base = tmp_path_factory.mktemp("observed")
     run_dir = base / "run"
-    settings = [*OBS_SETTINGS, "alarms.pause_on=ess_collapse"]
+    settings = [*OBS_SETTINGS, 'alarms.pause_on=["ess_collapse"]']
     env = dict(os.environ)
     if HAS_WANDB:
         settings += ['metrics.wandb_project="asyncrl-test"', 'metrics.wandb_mode="offline"']
@@ -322,7 +322,7 @@ def test_stop_on_alarm_checkpoints_and_ends_the_run(tmp_path: Path) -> None:
         *OBS_SETTINGS,
         "learner.max_steps=200",
         "eval.every_versions=0",
-        "alarms.stop_on=ess_collapse",
+        'alarms.stop_on=["ess_collapse"]',
     ]
     done = subprocess.run(
         run_command(run_dir, tmp_path / "models", settings),

@@ -161,10 +161,10 @@ def test_alarm_records_are_strict_json() -> None:
 
 
 def test_actions_name_known_alarms() -> None:
-    cfg = load_config(None, ['alarms.pause_on="nan, kl_spike"', 'alarms.stop_on="all"'])
+    cfg = load_config(None, ['alarms.pause_on=["nan", "kl_spike"]', 'alarms.stop_on=["all"]'])
     assert cfg.alarms.names("pause_on") == ("nan", "kl_spike")
     assert "component_saturation" in cfg.alarms.names("stop_on")
     with pytest.raises(ValueError, match="alarms.stop_on: unknown alarms"):
-        load_config(None, ['alarms.stop_on="nan,typo"'])
+        load_config(None, ['alarms.stop_on=["nan", "typo"]'])
     with pytest.raises(ValueError, match="alarms.kl_spike_factor"):
         load_config(None, ["alarms.kl_spike_factor=1"])

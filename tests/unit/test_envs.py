@@ -215,7 +215,7 @@ def test_a_users_tool_is_registered_with_its_schema() -> None:
 
 
 def test_tool_env_multi_turn_budget_and_tool_error() -> None:
-    task = TaskConfig(name="tools", tools="calculator", max_tool_calls=2, max_tool_errors=2)
+    task = TaskConfig(name="tools", tools=("calculator",), max_tool_calls=2, max_tool_errors=2)
     env = make_tools_env(task)
     row = Row(prompt_id="p", prompt="What is 6*7?", answer="42")
     first = env.reset(row, seed=0)

@@ -86,29 +86,33 @@ class Silent:
         return None
 
 
-def pipeline(components: list, weights: str, **kw: object) -> RewardPipeline:
+def pipeline(components: list, weights: dict[str, float], **kw: object) -> RewardPipeline:
     from actors.rewards.components import TaskComponent
 
-    rule = ComposeRule.from_config(RewardConfig(weights=weights, gates=str(kw.pop("gates", ""))))
+    gates = kw.pop("gates", ())
+    assert isinstance(gates, tuple)
+    rule = ComposeRule.from_config(RewardConfig(weights=weights, gates=gates))
     return RewardPipeline([TaskComponent(), *components], rule, log=lambda _: None, **kw)  # type: ignore[arg-type]
 
 
 def test_weighted_sum_gates_and_clip() -> None:
     rule = ComposeRule.from_config(
-        RewardConfig(weights="task=1, rm=0.5, judge=0", gates="format", clip_min=-1, clip_max=1.2)
+        RewardConfig(
+            weights={"task": 1, "rm": 0.5, "judge": 0}, gates=("format",), clip_min=-1, clip_max=1.2
+        )
     )
     assert rule.names == ["task", "rm", "judge", "format"]
     assert rule.apply({"task": 1.0, "rm": 2.0, "judge": 9.0, "format": 1.0}) == 1.2  # clipped
     assert rule.apply({"task": 1.0, "rm": -0.5, "format": 1.0}) == 0.75
     assert rule.apply({"task": 1.0, "rm": 2.0, "format": 0.0}) == 0.0  # the gate failed
     with pytest.raises(ValueError, match="reward.weights"):
-        RewardConfig(weights="task=x")
+        RewardConfig(weights={"task": "x"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="reward.gates"):
-        RewardConfig(gates="format>>1")
+        RewardConfig(gates=("format>>1",))
 
 
 def test_every_component_is_recorded_with_provenance() -> None:
-    p = pipeline([Const("bonus", -2.5), Flaky(0)], "task=1, rm=1, bonus=1")
+    p = pipeline([Const("bonus", -2.5), Flaky(0)], {"task": 1, "rm": 1, "bonus": 1})
     [out] = p.score([item()])
     assert out.reward == -1.0 and out.components == {"task": 1.0, "bonus": -2.5, "rm": 0.5}
     fields = p.group_fields([out])
@@ -119,7 +123,7 @@ def test_every_component_is_recorded_with_provenance() -> None:
 
 
 def test_a_failed_component_is_recorded_never_silent() -> None:
-    p = pipeline([Flaky(99)], "task=1, rm=1")
+    p = pipeline([Flaky(99)], {"task": 1, "rm": 1})
     [out] = p.score([item()])
     assert out.reward == 0.0 and out.failed_components == ("rm",)
     assert "ConnectionError: server gone" in out.failed
@@ -129,30 +133,30 @@ def test_a_failed_component_is_recorded_never_silent() -> None:
 
 def test_retry_policy_rescores_the_failed_items() -> None:
     flaky = Flaky(1)
-    p = pipeline([flaky], "task=1, rm=1", on_failure="retry", max_retries=2)
+    p = pipeline([flaky], {"task": 1, "rm": 1}, on_failure="retry", max_retries=2)
     [out] = p.score([item()])
     assert out.failed == "" and out.reward == 1.5 and flaky.calls == 2
     assert p.stats["retried/rm"] == 1
 
 
 def test_drop_group_policy_marks_the_outcome() -> None:
-    p = pipeline([Flaky(99)], "task=1, rm=1", on_failure="drop_group")
+    p = pipeline([Flaky(99)], {"task": 1, "rm": 1}, on_failure="drop_group")
     assert all(o.drop_group for o in p.score([item(), item()]))
 
 
 def test_a_component_that_does_not_answer_times_out_with_a_reason() -> None:
-    p = pipeline([Silent()], "task=1, slow=1", timeout_s=0.2)
+    p = pipeline([Silent()], {"task": 1, "slow": 1}, timeout_s=0.2)
     [out] = p.score([item()])
     assert "slow: timeout" in out.failed
 
 
 def test_a_task_verifier_failure_is_an_error_with_its_reason() -> None:
-    [out] = pipeline([], "task=1").score([item(failed="verifier raised KeyError: 'answer'")])
+    [out] = pipeline([], {"task": 1}).score([item(failed="verifier raised KeyError: 'answer'")])
     assert out.reward == 0.0 and "KeyError" in out.failed
 
 
 def test_format_gate_zeroes_rewards_without_the_format() -> None:
-    p = pipeline([FormatGate(r"^\d+$")], "task=1", gates="format")
+    p = pipeline([FormatGate(r"^\d+$")], {"task": 1}, gates=("format",))
     right, chatty = p.score([item("1134"), item("Sure! 1134")])
     assert right.reward == 1.0 and chatty.reward == 0.0 and "gate:format" in chatty.flags
 
@@ -161,13 +165,13 @@ def test_dapo_soft_overlong_penalty() -> None:
     assert overlong_penalty(10, 20, 8) == 0.0
     assert overlong_penalty(16, 20, 8) == -0.5
     assert overlong_penalty(20, 20, 8) == -1.0 and overlong_penalty(25, 20, 8) == -1.0
-    p = pipeline([OverlongPenalty(20, 8)], "task=1, overlong=1")
+    p = pipeline([OverlongPenalty(20, 8)], {"task": 1, "overlong": 1})
     short, padded = p.score([item(tokens=5), item(tokens=18)])
     assert short.reward == 1.0 and padded.reward == 0.25 and "overlong" in padded.flags
 
 
 def test_repetition_penalty_catches_padding() -> None:
-    p = pipeline([RepetitionPenalty(3, 0.2)], "task=1, repetition=1")
+    p = pipeline([RepetitionPenalty(3, 0.2)], {"task": 1, "repetition": 1})
     honest, padded = p.score(
         [
             item("The digits sorted ascending give 1134 as the answer"),
@@ -189,7 +193,7 @@ class Contrarian:
 
 def test_verifier_judge_disagreement_is_counted_and_logged() -> None:
     lines: list[str] = []
-    p = pipeline([JudgeComponent(Contrarian())], "task=1, judge=0")
+    p = pipeline([JudgeComponent(Contrarian())], {"task": 1, "judge": 0})
     p.log = lines.append
     outs = p.score([item("1134"), item("9999", reward=0.0)])
     assert [o.components["disagreement"] for o in outs] == [1.0, 0.0]
@@ -203,7 +207,7 @@ def sort_runner(pipe: RewardPipeline, lines: list[str]) -> CanaryRunner:
 
 def test_canaries_pass_on_the_sort_verifier_and_run_every_k_versions() -> None:
     lines: list[str] = []
-    p = pipeline([], "task=1")
+    p = pipeline([], {"task": 1})
     p.canaries = sort_runner(p, lines)
     first = p.group_fields(p.score([item()], policy_version=0))["metadata"]["reward"]
     assert first["canary"]["num"] == 15 and first["canary"]["alarms"] == []
@@ -216,7 +220,7 @@ def test_canaries_pass_on_the_sort_verifier_and_run_every_k_versions() -> None:
 def test_a_known_wrong_canary_earning_reward_raises_an_alarm_with_evidence() -> None:
     lines: list[str] = []
     # a reward model that likes everything, weighted in: the hedged and empty canaries now pay
-    p = pipeline([Const("rm", 1.0)], "task=0.2, rm=1")
+    p = pipeline([Const("rm", 1.0)], {"task": 0.2, "rm": 1})
     p.canaries = sort_runner(p, lines)
     [out] = p.score([item()], policy_version=0)
     report = p.group_fields([out])["metadata"]["reward"]["canary"]
@@ -228,7 +232,7 @@ def test_a_known_wrong_canary_earning_reward_raises_an_alarm_with_evidence() -> 
 
 def test_reward_config_from_a_run_config() -> None:
     cfg = dataclasses.replace(
-        RunConfig(), reward=RewardConfig(weights="task=1, format=0", format_regex=r"\d")
+        RunConfig(), reward=RewardConfig(weights={"task": 1, "format": 0}, format_regex=r"\d")
     )
     p = RewardPipeline.from_config(cfg)
     assert [c.name for c in p.components] == ["task", "format"]
@@ -248,12 +252,14 @@ def test_a_component_of_your_own_by_module(tmp_path: Path, monkeypatch: pytest.M
         "    return Length()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    reward = RewardConfig(weights="task=1, length=1", modules="length=my_scorers:make_component")
+    reward = RewardConfig(
+        weights={"task": 1, "length": 1}, modules={"length": "my_scorers:make_component"}
+    )
     p = RewardPipeline.from_config(dataclasses.replace(RunConfig(), reward=reward))
     assert p.score([item("1134")])[0].reward == pytest.approx(0.6)
     with pytest.raises(ValueError, match="unknown component 'nope'"):
         RewardPipeline.from_config(
-            dataclasses.replace(RunConfig(), reward=RewardConfig(weights="task=1, nope=1"))
+            dataclasses.replace(RunConfig(), reward=RewardConfig(weights={"task": 1, "nope": 1}))
         )
 
 
