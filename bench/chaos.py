@@ -43,9 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.bench_common import REPO, environment, write_json  # noqa: E402
+from bench.common import REPO, RESULTS, command_line, environment, write_json
 from launch.run import read_metrics
 
 ROLES = ("hub", "actor", "learner")
@@ -204,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actors", type=int, default=1)
     p.add_argument("--run-dir", default="")
     p.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "asyncrl-models"))
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "chaos.json"))
+    p.add_argument("--out", default=str(RESULTS / "chaos.json"))
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="asyncrl-chaos-")) / "run"
     env = environment()  # the commit measured, before anything else moves
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads((run_dir / "summary.json").read_text())
     result = {
         "benchmark": "chaos",
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": command_line(__file__, argv),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         **env,
         "run_exit_code": run.returncode,

@@ -35,22 +35,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread  # noqa: E402
+from bench.common import (
+    REPO,
+    RESULTS,
+    command_line,
+    environment,
+    proc_cpu_s,
+    repeat,
+    spread,
+    write_json,
+)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.toml"))
+    p.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.toml"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--engines", default="torch,vllm", help="comma-separated subset")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions per variant")
     p.add_argument("--rounds", type=int, default=12, help="generation rounds per repetition")
     p.add_argument("--warmup-rounds", type=int, default=4, help="rounds before each clock")
     p.add_argument("--threads", type=int, default=1, help="engine threads (both variants)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
+    p.add_argument("--out", default=str(RESULTS / "engine.json"))
     return p.parse_args()
 
 
@@ -124,7 +130,7 @@ class ActorSystem:
     def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
             cmd = [sys.executable, "-m", "asyncrl", *args]
-            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def batch(self, timeout_s: float = 600.0) -> tuple[Any, float]:
         """The next batch (one round of groups) and its arrival time."""
@@ -160,19 +166,13 @@ class ActorSystem:
         return status
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def actor_rep(system: ActorSystem, warmup: int, rounds: int) -> tuple[float, float, list, float]:
     """Tokens per wall second and per CPU second (hub + actor + this process) of the actor loop;
     the prompts of each measured round; the median time a batch request waited at the hub."""
     for _ in range(warmup):
         _, t0 = system.batch()
     pids = (system.hub.pid, system.actor.pid)
-    cpu0 = sum(cpu_s(pid) for pid in pids) + time.process_time()
+    cpu0 = sum(proc_cpu_s(pid) for pid in pids) + time.process_time()
     tokens, prompts, waits = 0, [], []
     for _ in range(rounds):
         batch, t_end = system.batch()
@@ -182,7 +182,7 @@ def actor_rep(system: ActorSystem, warmup: int, rounds: int) -> tuple[float, flo
             tokens += int(sum(g.seq_lens) - sum(g.prompt_lens))
             round_prompts.append((g.tokens[: g.prompt_lens[0]].tolist(), g.size))
         prompts.append(round_prompts)
-    cpu = sum(cpu_s(pid) for pid in pids) + time.process_time() - cpu0
+    cpu = sum(proc_cpu_s(pid) for pid in pids) + time.process_time() - cpu0
     return tokens / (t_end - t0), tokens / cpu, prompts, statistics.median(waits)
 
 
@@ -223,26 +223,27 @@ def bench_engine(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     system = ActorSystem(config_path, dataset, run_dir, args.threads)
     engine = build_engine(cfg, model_dir, seed=7)
     eos_id = int(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
-    runs: dict[str, list[float]] = {k: [] for k in ("actor", "bare", "actor_cpu", "bare_cpu")}
-    waits = []
+
+    def one(rep: int) -> dict[str, float]:
+        tps, tpc, prompts, wait = actor_rep(system, args.warmup_rounds, args.rounds)
+        bare, bare_cpu = bare_rep(engine, cfg, eos_id, prompts)
+        print(
+            f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare:8.0f} tok/s  "
+            f"ratio {tps / bare:.3f}  per CPU-s ratio {tpc / bare_cpu:.3f}  "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        return {"actor": tps, "bare": bare, "actor_cpu": tpc, "bare_cpu": bare_cpu, "wait": wait}
+
     try:
         _, _, warm_prompts, _ = actor_rep(system, args.warmup_rounds, 1)  # actor up and warm
         bare_rep(engine, cfg, eos_id, warm_prompts * args.warmup_rounds)  # bare warm
-        for rep in range(args.reps):
-            tps, tpc, prompts, wait = actor_rep(system, args.warmup_rounds, args.rounds)
-            bare, bare_cpu = bare_rep(engine, cfg, eos_id, prompts)
-            for key, value in zip(runs, (tps, bare, tpc, bare_cpu), strict=True):
-                runs[key].append(value)
-            waits.append(wait)
-            print(
-                f"{name} rep {rep}: actor {tps:8.0f} tok/s  bare {bare:8.0f} tok/s  "
-                f"ratio {tps / bare:.3f}  per CPU-s ratio {tpc / bare_cpu:.3f}  "
-                f"load {os.getloadavg()[0]:.1f}",
-                flush=True,
-            )
+        rows = repeat(one, reps=args.reps, warmup=0)  # warmed up above, on warm-up prompts
     finally:
         status = system.close()
         engine.close()
+    runs = {key: [row[key] for row in rows] for key in ("actor", "bare", "actor_cpu", "bare_cpu")}
+    waits = [row["wait"] for row in rows]
     ratios = [a / b for a, b in zip(runs["actor"], runs["bare"], strict=True)]
     cpu_ratios = [a / b for a, b in zip(runs["actor_cpu"], runs["bare_cpu"], strict=True)]
     return {
@@ -285,7 +286,7 @@ def main() -> None:
     env["machine"]["loadavg_at_end"] = os.getloadavg()
     out = {
         "benchmark": "engine",
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(__file__),
         "config": {
             "config": args.config,
             "overrides": args.set,
@@ -297,8 +298,7 @@ def main() -> None:
         **env,
         "engines": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out)
     for name, r in results.items():
         print(
             f"{name}: actor {r['actor_tokens_per_s']['median']:.0f} tok/s, bare "

@@ -32,13 +32,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
+from bench.common import RESULTS, command_line, environment, repeat, spread, write_json
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8, help="per model turn")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "envs.json"))
+    p.add_argument("--out", default=str(RESULTS / "envs.json"))
     return p.parse_args()
 
 
@@ -186,29 +182,46 @@ def main() -> int:
     rows = make_rows(task)
     multi_turn(engine, tok, rows[: args.concurrency], args)  # warm-up
     wave = args.concurrency * args.group_size
-    multi_rates, single_rates, model_rates, ratios, model_ratios = [], [], [], [], []
-    tokens, model_tokens, shares = [], [], []
-    for rep in range(args.reps):
+
+    def one(rep: int) -> dict[str, float]:
         run = multi_turn(engine, tok, rows, args)
         eps = run["episode_tokens"]
         single_s = single_turn(engine, [(p, n) for p, _, n in eps], wave)
         model_s = single_turn(engine, [(p, n) for p, n, _ in eps], wave)
-        multi_rates.append(run["episodes"] / run["seconds"])
-        single_rates.append(run["episodes"] / single_s)
-        model_rates.append(run["episodes"] / model_s)
-        ratios.append(single_s / run["seconds"])
-        model_ratios.append(model_s / run["seconds"])
-        tokens.append(sum(n for _, _, n in eps) / run["episodes"])
-        model_tokens.append(sum(n for _, n, _ in eps) / run["episodes"])
-        shares.append(run["generate_s"] / run["seconds"])
+        figures = {
+            "multi": run["episodes"] / run["seconds"],
+            "single": run["episodes"] / single_s,
+            "model": run["episodes"] / model_s,
+            "ratio": single_s / run["seconds"],
+            "model_ratio": model_s / run["seconds"],
+            "tokens": sum(n for _, _, n in eps) / run["episodes"],
+            "model_tokens": sum(n for _, n, _ in eps) / run["episodes"],
+            "share": run["generate_s"] / run["seconds"],
+        }
         print(
-            f"rep {rep}: multi-turn {multi_rates[-1]:.1f} episodes/s, single-turn "
-            f"{single_rates[-1]:.1f} (ratio {ratios[-1]:.3f}), single-turn of the model "
-            f"tokens {model_rates[-1]:.1f} (ratio {model_ratios[-1]:.3f})",
+            f"rep {rep}: multi-turn {figures['multi']:.1f} episodes/s, single-turn "
+            f"{figures['single']:.1f} (ratio {figures['ratio']:.3f}), single-turn of the model "
+            f"tokens {figures['model']:.1f} (ratio {figures['model_ratio']:.3f})",
             flush=True,
         )
+        return figures
+
+    reps = repeat(one, reps=args.reps, warmup=0)  # warmed up above, on fewer groups
+    multi_rates, single_rates, model_rates, ratios, model_ratios, tokens, model_tokens, shares = (
+        [r[key] for r in reps]
+        for key in (
+            "multi",
+            "single",
+            "model",
+            "ratio",
+            "model_ratio",
+            "tokens",
+            "model_tokens",
+            "share",
+        )
+    )
     result = {
-        "command": "python bench/envs.py " + " ".join(sys.argv[1:]),
+        "command": command_line(__file__),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         **environment(),
         "multi_turn_episodes_per_s": spread(multi_rates),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,17 +36,13 @@ from typing import Any
 
 import zmq
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, write_json  # noqa: E402
-from transport_peers import make_group, overrides_for  # noqa: E402
-
-from asyncrl.config import load_config  # noqa: E402
-from asyncrl.protocol.codec import decode, encode  # noqa: E402
-from asyncrl.protocol.group_codec import new_message  # noqa: E402
-from asyncrl.protocol.messages import PROTOCOL_VERSION, Batch, Group, Hello, SampleRequest  # noqa: E402
-from replay.server import Hub  # noqa: E402
+from asyncrl.config import load_config
+from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.group_codec import new_message
+from asyncrl.protocol.messages import PROTOCOL_VERSION, Batch, Group, Hello, SampleRequest
+from bench.common import RESULTS, command_line, environment, repeat, timed, write_json
+from bench.transport import make_group, overrides_for
+from replay.server import Hub
 
 BATCH = 64
 
@@ -57,14 +52,9 @@ def received(msg: Any) -> list[zmq.Frame]:
     return [zmq.Frame(bytes(memoryview(f))) for f in encode(msg)]
 
 
-def per_group(run: Callable[[], None], groups: int, reps: int) -> float:
+def per_group(run: Callable[[], object], groups: int, reps: int) -> float:
     """Least thread CPU microseconds per group of `run()` (which handles `groups` groups)."""
-    best = float("inf")
-    for _ in range(reps):
-        start = time.thread_time()
-        run()
-        best = min(best, (time.thread_time() - start) / groups * 1e6)
-    return best
+    return timed(run, reps=reps, warmup=0, clock=time.thread_time).min / groups * 1e6
 
 
 def codec_stages(group: Group, count: int, reps: int) -> dict[str, float]:
@@ -117,9 +107,11 @@ def hub_stages(group: Group, count: int, reps: int, tmp: Path) -> dict[str, floa
             ),
         )
         count -= count % BATCH
-        best = {"hub_handle": float("inf"), "hub_serve": float("inf")}
         seq = request_id = 0
-        for _ in range(reps):
+
+        def one(_rep: int) -> tuple[float, float]:
+            """CPU microseconds per group of handling the pushes, then of serving them."""
+            nonlocal seq, request_id
             pushes = []
             for item in hub.state.issue(b"A", count):
                 fields = {
@@ -149,9 +141,10 @@ def hub_stages(group: Group, count: int, reps: int, tmp: Path) -> dict[str, floa
                 hub.serve_parked()
             end = time.thread_time()
             assert not hub.errors and len(hub.buffer) == 0, (hub.errors, len(hub.buffer))
-            best["hub_handle"] = min(best["hub_handle"], (middle - start) / count * 1e6)
-            best["hub_serve"] = min(best["hub_serve"], (end - middle) / count * 1e6)
-        return best
+            return (middle - start) / count * 1e6, (end - middle) / count * 1e6
+
+        handle, serve = zip(*repeat(one, reps=reps, warmup=0), strict=True)
+        return {"hub_handle": min(handle), "hub_serve": min(serve)}
     finally:
         hub.close()
 
@@ -161,7 +154,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9, help="runs per stage (the least is kept)")
     p.add_argument("--sizes", default="32768,262144,2097152", help="approximate group bytes")
     p.add_argument("--bytes-per-run", type=int, default=64 << 20, help="group bytes per run")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "hub_path.json"))
+    p.add_argument("--out", default=str(RESULTS / "hub_path.json"))
     args = p.parse_args()
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)  # as the hub sets itself up (replay/server.py)
@@ -180,7 +173,7 @@ def main() -> None:
                 f"{group.nbytes:>8} B: " + "  ".join(f"{k} {v:.1f}" for k, v in stages.items()),
                 flush=True,
             )
-    command = " ".join([Path(sys.executable).name, *sys.argv])
+    command = command_line(__file__)
     write_json(
         args.out,
         {

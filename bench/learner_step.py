@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,18 +25,22 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-
-from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.models.tiny import MAX_POSITIONS, ensure_model, vocab  # noqa: E402
-from asyncrl.protocol.messages import Batch, Group, Trajectory  # noqa: E402
-from asyncrl.transport.connection import HubConnection  # noqa: E402
-from launch.run import thread_split  # noqa: E402
-from learner.loop import Learner  # noqa: E402
+from asyncrl.config import RunConfig, load_config
+from asyncrl.models.tiny import MAX_POSITIONS, ensure_model, vocab
+from asyncrl.protocol.messages import Batch, Group, Trajectory
+from asyncrl.transport.connection import HubConnection
+from bench.common import (
+    REPO,
+    RESULTS,
+    command_line,
+    environment,
+    interleave,
+    spread,
+    timed,
+    write_json,
+)
+from launch.run import thread_split
+from learner.loop import Learner
 
 
 def make_batch(cfg: RunConfig, prompt_len: int, rng: np.random.Generator) -> Batch:
@@ -86,12 +89,8 @@ def make_learner(cfg: RunConfig, share: bool, model_dir: Path, work: Path) -> Le
 
 def time_steps(learner: Learner, batches: list[Batch]) -> float:
     """Median seconds of `optimize` over the batches (the first one is a warm-up)."""
-    times = []
-    for batch in batches:
-        start = time.perf_counter()
-        learner.optimize(batch)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    todo = iter(batches)
+    return timed(lambda: learner.optimize(next(todo)), reps=len(batches) - 1, warmup=1).median
 
 
 def measure(cfg: RunConfig, prompt_lens: list[int], steps: int, repeats: int) -> dict[str, Any]:
@@ -103,11 +102,12 @@ def measure(cfg: RunConfig, prompt_lens: list[int], steps: int, repeats: int) ->
         for prompt_len in prompt_lens:
             rng = np.random.default_rng(prompt_len)
             batches = [make_batch(cfg, prompt_len, rng) for _ in range(steps + 1)]
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(repeats):
-                for share, learner in learners.items():
-                    times[share].append(time_steps(learner, batches))
-            plain, shared = times[False], times[True]
+            ways = {
+                "plain": lambda _rep, b=batches: time_steps(learners[False], b),
+                "shared": lambda _rep, b=batches: time_steps(learners[True], b),
+            }
+            times = interleave(ways, reps=repeats, warmup=0)  # time_steps warms up itself
+            plain, shared = times["plain"], times["shared"]
             speedups = [p / s for p, s in zip(plain, shared, strict=True)]
             rows.append(
                 {
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lens", default="6,32,96", help="comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=30, help="timed steps per way and repetition")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "learner_step.json"))
+    p.add_argument("--out", default=str(RESULTS / "learner_step.json"))
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     threads, _ = thread_split(cfg)
     torch.set_num_threads(threads)
     result = {
-        "command": "python bench/learner_step.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line(__file__, argv),
         "environment": environment(),
         "torch_threads": threads,
         "groups_per_step": cfg.learner.groups_per_step,

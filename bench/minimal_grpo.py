@@ -27,27 +27,20 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread  # noqa: E402
-
-from actors.engines.base import GenerationRequest  # noqa: E402
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.envs.sort_task import make_prompts, make_verifier  # noqa: E402
-from actors.rewards.base import safe_score  # noqa: E402
-from asyncrl.config import RunConfig, load_config  # noqa: E402
-from asyncrl.models.tiny import ensure_model  # noqa: E402
-from learner.policy_model import make_adamw  # noqa: E402
+from actors.engines.base import GenerationRequest
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.sort_task import make_prompts, make_verifier
+from actors.rewards.base import safe_score
+from asyncrl.config import RunConfig, load_config
+from asyncrl.models.tiny import ensure_model
+from bench.common import REPO, RESULTS, command_line, environment, repeat, spread, write_json
+from learner.policy_model import make_adamw
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -191,26 +184,28 @@ def _print_curve(history: list[dict], every_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.toml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.toml"))
     parser.add_argument("--set", action="append", default=[], help="section.key=value")
     parser.add_argument("--max-wall-s", type=float, default=90.0)
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3, help="runs with seeds seed, seed+1, ...")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 = one core)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "minimal_grpo.json"))
+    parser.add_argument("--out", default=str(RESULTS / "minimal_grpo.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = load_config(args.config, args.set)
     ensure_model(base.model, base.task)  # build outside the timed runs (warm-up)
-    runs = []
-    for i in range(args.repeats):
+
+    def one(i: int) -> dict[str, Any]:
         config = load_config(args.config, [*args.set, f"run.seed={base.run.seed + i}"])
         history = run_minimal(config, args.max_wall_s, args.max_steps)
         print(f"run {i} (seed {config.run.seed}):")
         _print_curve(history, every_s=10.0)
         summary = summarize(history)
         print("  " + json.dumps({k: round(v, 3) for k, v in summary.items()}))
-        runs.append({"seed": config.run.seed, "summary": summary, "history": history})
+        return {"seed": config.run.seed, "summary": summary, "history": history}
+
+    runs = repeat(one, reps=args.repeats, warmup=0)  # seeds seed, seed+1, ...
     metrics = {
         key: spread([r["summary"][key] for r in runs])
         for key in ("reward_first_tenth", "reward_last_tenth", "reward_gain", "steps_per_s")
@@ -218,15 +213,14 @@ def main() -> None:
     print("over runs:", json.dumps(metrics, indent=1))
     result = {
         "benchmark": "minimal_grpo",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(__file__),
         "config": base.to_dict(),
         **environment(("torch", "transformers")),
         "torch_threads": torch.get_num_threads(),
         "metrics": metrics,
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -21,20 +21,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-
-from asyncrl.config import RunConfig, load_config  # noqa: E402
-from launch.run import read_metrics, run  # noqa: E402
+from asyncrl.config import RunConfig, load_config
+from bench.common import REPO, RESULTS, command_line, environment, repeat, spread, write_json
+from bench.minimal_grpo import run_minimal
+from launch.run import read_metrics, run
 
 
 def system_point(cfg: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
@@ -54,7 +49,6 @@ def system_point(cfg: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
 
 def minimal_point(cfg: RunConfig, budget_s: float, threads: int) -> dict[str, Any]:
     import torch
-    from minimal_grpo import run_minimal
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
@@ -126,35 +120,40 @@ def main() -> None:
         "--budget-s", type=float, default=150.0, help="wall-clock per run, start-up included"
     )
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
+    p.add_argument("--out", default=str(RESULTS / "overhead.json"))
     args = p.parse_args()
     cfg = load_config(args.config, args.set)
     from asyncrl.models.tiny import ensure_model
 
     ensure_model(cfg.model, cfg.task)  # warm-up: the build is not part of either measurement
     cores = os.cpu_count() or 1
-    system_runs, minimal_runs = [], []
+
     with tempfile.TemporaryDirectory(prefix="asyncrl-overhead-") as tmp:
-        for rep in range(args.repeats):
+        work = Path(tmp)
+
+        def one(rep: int) -> tuple[dict[str, Any], dict[str, Any]]:
             print(
                 f"[{rep + 1}/{args.repeats}] system: asyncrl run for {args.budget_s:.0f} s",
                 flush=True,
             )
-            system_runs.append(system_point(cfg, args.budget_s, Path(tmp)))
+            system = system_point(cfg, args.budget_s, work)
             options = [minimal_point(cfg, args.budget_s, t) for t in sorted({1, cores})]
             best = max(options, key=lambda pt: pt["samples_per_s"])
             print(
-                f"[{rep + 1}/{args.repeats}] system {system_runs[-1]['samples_per_s']:.1f} samples/s, "
+                f"[{rep + 1}/{args.repeats}] system {system['samples_per_s']:.1f} samples/s, "
                 f"minimal {best['samples_per_s']:.1f} samples/s ({best['threads']} threads)",
                 flush=True,
             )
-            minimal_runs.append(best)
+            return system, best
+
+        pairs = repeat(one, reps=args.repeats, warmup=0)  # the model was built above
+    system_runs, minimal_runs = [s for s, _ in pairs], [m for _, m in pairs]
     ratios = [
         s["samples_per_s"] / m["samples_per_s"]
         for s, m in zip(system_runs, minimal_runs, strict=True)
     ]
     result = {
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "command": command_line(__file__),
         "config": json.loads(json.dumps(cfg.to_dict())),
         "environment": environment(),
         "system_samples_per_s": spread([r["samples_per_s"] for r in system_runs]),

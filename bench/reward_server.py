@@ -46,15 +46,10 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-
-from actors.rewards.rm_client import RewardModelClient  # noqa: E402
-from actors.rewards.rm_model import RewardModel  # noqa: E402
-from asyncrl.models.tiny import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab  # noqa: E402
+from actors.rewards.rm_client import RewardModelClient
+from actors.rewards.rm_model import RewardModel
+from asyncrl.models.tiny import BOS, EOS, MAX_POSITIONS, PAD, build_tokenizer, vocab
+from bench.common import REPO, RESULTS, command_line, environment, interleave, spread, write_json
 
 SHAPE = {
     "hidden_size": 128,
@@ -192,15 +187,13 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
 
 def measure(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     """Every variant once per rep, in turn (interleaved)."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rep in range(reps):
-        for name, fn in variants.items():
-            times[name].append(fn())
-        print(
-            f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {ts[-1]:.3f}s" for n, ts in times.items()),
-            flush=True,
-        )
-    return times
+
+    def report(rep: int, got: dict[str, float]) -> None:
+        line = ", ".join(f"{n} {t:.3f}s" for n, t in got.items())
+        print(f"rep {rep + 1}/{reps}: {line}", flush=True)
+
+    each = {name: (lambda _rep, fn=fn: fn()) for name, fn in variants.items()}
+    return interleave(each, reps=reps, warmup=0, report=report)
 
 
 def main() -> None:
@@ -223,7 +216,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads, here and in the servers"
     )
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward_server.json"))
+    parser.add_argument("--out", default=str(RESULTS / "reward_server.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers are stopped on the way out
@@ -243,7 +236,7 @@ def main() -> None:
         args.out,
         {
             "benchmark": "reward_server",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": command_line(__file__),
             "config": {
                 "batch": args.batch,
                 "samples": args.samples,

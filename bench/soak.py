@@ -29,9 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from asyncrl.config import load_config  # noqa: E402
+from asyncrl.config import load_config
 from asyncrl.protocol.messages import (
     Batch,
     BatchAck,
@@ -42,8 +40,8 @@ from asyncrl.protocol.messages import (
     Version,
 )
 from asyncrl.transport.connection import HubConnection
-from bench.bench_common import REPO, environment, spread, write_json  # noqa: E402
-from bench.transport import make_group  # noqa: E402
+from bench.common import REPO, RESULTS, command_line, environment, spread, write_json
+from bench.transport import make_group
 
 
 def start_hub(tmp: Path, overrides: list[str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learner-step-s", type=float, default=0.5)
     p.add_argument("--capacity", type=int, default=256)
     p.add_argument("--durability", choices=("volatile", "durable"), default="volatile")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
+    p.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="asyncrl-soak-"))
     overrides = [
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     held = s["stored"] + s["groups_lent"]
     result = {
         "benchmark": "soak",
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": command_line(__file__, argv),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         **environment(),
         "pushed": total_pushed,

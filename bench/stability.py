@@ -24,22 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-
-from asyncrl.config import RunConfig, load_config  # noqa: E402
-from launch.run import read_metrics, run  # noqa: E402
+from asyncrl.config import RunConfig, load_config
+from bench.common import REPO, RESULTS, command_line, environment, spread, write_json
+from launch.run import read_metrics, run
 
 DIAGNOSTICS = (
     "is_weight_mean",
@@ -162,7 +155,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=400, help="learner.max_steps of every point")
     p.add_argument("--tail", type=float, default=0.2, help="final_reward: last fraction of steps")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "stability.json"))
+    p.add_argument("--out", default=str(RESULTS / "stability.json"))
     return p.parse_args()
 
 
@@ -190,7 +183,7 @@ def main() -> None:
             )
     out = Path(args.out)
     result = {
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "command": command_line(__file__),
         "config": cfg.to_dict(),
         "environment": env,
         "steps": args.steps,

@@ -46,22 +46,15 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-from cpu_sampler import CpuSampler  # noqa: E402
-from staleness_plots import by, plot  # noqa: E402
-
-from asyncrl.config import RunConfig, load_config  # noqa: E402
-from launch.run import read_metrics, run  # noqa: E402
+from asyncrl.config import RunConfig, load_config
+from bench.common import REPO, RESULTS, command_line, environment, spread, write_json
+from bench.cpu_sampler import CpuSampler
+from launch.run import read_metrics, run
 
 DIAGNOSTICS = (
     "is_weight_mean",
@@ -315,7 +308,7 @@ def eta8_minus_eta0(points: list[dict[str, Any]], loss: str) -> dict[str, Any]:
     loss, between-groups, median of seeds); `..._from` says which."""
     mine = _difference(by(points, loss, 8, "final_reward"), by(points, loss, 0, "final_reward"))
     out = {"final_reward_eta8_minus_eta0_this_sweep": mine}
-    stability = REPO / "bench" / "results" / "stability.json"
+    stability = RESULTS / "stability.json"
     data = json.loads(stability.read_text()) if stability.is_file() else {}
     if "final_reward_eta8_minus_eta0" in data:
         return out | {
@@ -331,6 +324,90 @@ def eta8_minus_eta0(points: list[dict[str, Any]], loss: str) -> dict[str, Any]:
     }
 
 
+# --- the pictures -------------------------------------------------------------------------
+
+
+def by(
+    points: list[dict[str, Any]], loss: str, eta: int, key: str, mode: str = "between_groups"
+) -> float | None:
+    """The median of `key` over the points of one (loss, η, mode); None where none has it."""
+    values = [
+        p[key]
+        for p in points
+        if p["loss"] == loss
+        and p["max_staleness"] == eta
+        and p.get("weight_update", "between_groups") == mode
+        and p.get(key) is not None
+    ]
+    return statistics.median(values) if values else None
+
+
+def plot(
+    points: list[dict[str, Any]], losses: list[str], etas: list[int], out: Path, modes: list[str]
+) -> None:
+    """<out stem>_throughput.png (samples/s, idle fractions vs η) and <out stem>_reward.png
+    (reward vs wall-clock): a line (a panel) per loss and weight-update mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = sorted(etas)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for loss, mode in [(loss, mode) for loss in losses for mode in modes]:
+        name = f"{loss}, {mode}" if len(modes) > 1 else loss
+        ax1.plot(
+            etas, [by(points, loss, e, "samples_per_s", mode) for e in etas], marker="o", label=name
+        )
+        ax2.plot(
+            etas,
+            [by(points, loss, e, "learner_wait_fraction", mode) for e in etas],
+            marker="o",
+            label=f"learner waits ({name})",
+        )
+        ax2.plot(
+            etas,
+            [by(points, loss, e, "actor_wait_fraction", mode) for e in etas],
+            marker="s",
+            ls="--",
+            label=f"actor waits ({name})",
+        )
+    ax1.set(xlabel="max_staleness η", ylabel="learner samples/s", title="throughput vs η")
+    ax2.set(
+        xlabel="max_staleness η",
+        ylabel="fraction of wall time",
+        title="idle fractions vs η",
+        ylim=(0, 1),
+    )
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_name(f"{out.stem}_throughput.png"), dpi=120)
+    plt.close(fig)
+
+    panels = [(loss, mode) for loss in losses for mode in modes]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (loss, mode) in zip(axes[0], panels, strict=True):
+        for p in [p for p in points if p["loss"] == loss and p["weight_update"] == mode]:
+            t = [c[0] for c in p["curve"]]
+            r = [c[2] for c in p["curve"]]
+            k = max(1, len(r) // 25)
+            smooth = [statistics.fmean(r[max(0, j - k + 1) : j + 1]) for j in range(len(r))]
+            ax.plot(t, smooth, label=f"η={p['max_staleness']} seed {p['seed']}")
+        ax.set(
+            xlabel="wall-clock s (learner)",
+            ylabel="mean reward (smoothed)",
+            title=f"{loss}, {mode}",
+            ylim=(0, 1),
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_name(f"{out.stem}_reward.png"), dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -344,7 +421,7 @@ def main() -> None:
         "--budget-s", type=float, default=120.0, help="wall-clock per point, start-up included"
     )
     p.add_argument("--modes", default="between_groups", help="actor.weight_update values")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "staleness.json"))
+    p.add_argument("--out", default=str(RESULTS / "staleness.json"))
     p.add_argument("--keep-runs", default="", help="keep every point's run directory under here")
     p.add_argument(
         "--summarise",
@@ -367,7 +444,7 @@ def main() -> None:
     reward_at(points)
     out = Path(args.out)
     result = {
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "command": command_line(__file__),
         "config": cfg.to_dict(),
         "environment": environment(),
         "budget_s": args.budget_s,
@@ -393,7 +470,7 @@ def resummarise(src: Path, out: Path) -> None:
     modes = list(dict.fromkeys(q.get("weight_update", "between_groups") for q in points))
     per_step = data["config"]["learner"]["groups_per_step"] * data["config"]["actor"]["group_size"]
     data.update(summarise(points, losses, etas, modes, per_step))
-    data["summarised_by"] = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
+    data["summarised_by"] = command_line(__file__)
     write_json(out, data)
     plot(points, losses, etas, out, modes)
     print(

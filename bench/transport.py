@@ -13,7 +13,7 @@ noise hits every variant alike:
                directory, fsync per group commit): `durable_over_volatile` = hub_durable / hub.
 - `hub_unpacked` (only when named in `--variants`): the hub with `replay.pack_frames_below=0`,
                every batch as four frames per group; run beside `hub` it measures what packing
-               a batch into one frame (asyncrl/frame_packing.py) buys (`packed_over_unpacked_*`).
+               a batch into one frame (asyncrl/protocol/codec.py) buys (`packed_over_unpacked_*`).
 - `raw`:       a PUSH process sends the same frames (encoded header + three array buffers) to a
                PULL socket in this process: one hop, no validation. `ratio` = hub / raw.
 - `raw_relay`: the same through a `zmq.proxy` forwarder process: two hops at C speed, the
@@ -21,7 +21,7 @@ noise hits every variant alike:
 
 Every process that receives is set up as the hub sets itself up: `keep_freed_buffers()` (here,
 for learner and raw receiver alike, and in the relay), so received buffers are recycled rather
-than page-faulted in afresh (asyncrl/transport.py); `gc.freeze()` after start-up here and in
+than page-faulted in afresh (asyncrl/transport/sockets.py); `gc.freeze()` after start-up here and in
 the actor.
 
 Each variant moves `--bytes-per-rep` bytes per repetition after one warm-up repetition; the
@@ -35,7 +35,9 @@ variant is bound by CPU time, not by one hop, and `relay_cpu_over_hub_cpu` is th
 `relay_cpu_over_hub_cpu_stats` gives their spread). The
 load average is recorded with every repetition, and so is the share of CPU time the host took
 from this virtual machine (steal).
-Writes bench/results/transport.json.
+Writes bench/results/transport.json. The group every variant moves (`make_group`) and the
+hub's settings for it (`overrides_for`) are bench/hub_path.py's, bench/zmq_framing.py's and
+bench/soak.py's too.
 
     python bench/transport.py [--reps 5] [--bytes-per-rep 268435456] [--sizes 32768,...]
 """
@@ -52,38 +54,170 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.protocol.messages import Batch, SampleRequest, Stats, StatsRequest
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.group_codec import new_message
+from asyncrl.protocol.messages import (
+    Batch,
+    Credits,
+    Group,
+    SampleRequest,
+    Stats,
+    StatsRequest,
+    Trajectory,
+)
 from asyncrl.transport.connection import HubConnection
 from asyncrl.transport.sockets import keep_freed_buffers
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import (  # noqa: E402
+from bench.common import (
+    REPO,
+    RESULTS,
+    command_line,
     cpu_ticks,
     disk_fsync_mbps,
     environment,
+    interleave,
     proc_cpu_s,
     spread,
     steal_pct,
+    write_json,
 )
-from transport_peers import (  # noqa: E402
-    PROMPT_TOKENS,
-    SAMPLES,
-    SIZES,
-    actor_main,
-    make_group,
-    overrides_for,
-    raw_push_main,
-    relay_main,
-)
-from transport_report import durable_vs_volatile, packing_ab, targets  # noqa: E402
+
+# --- the group every variant moves, and the peers (each in a process of its own) ----------
+
+SIZES = (32 * 1024, 256 * 1024, 2 * 1024 * 1024)
+SAMPLES, PROMPT_TOKENS = 8, 64
+
+
+def make_group(target_bytes: int) -> Group:
+    """A group of SAMPLES trajectories whose arrays total about `target_bytes`."""
+    length = max(PROMPT_TOKENS + 1, (target_bytes // SAMPLES + 5 * PROMPT_TOKENS) // 9)
+    rng = np.random.default_rng(0)
+    trajs = [
+        Trajectory(
+            tokens=rng.integers(0, 32000, length, dtype=np.int32),
+            prompt_len=PROMPT_TOKENS,
+            loss_mask=np.ones(length - PROMPT_TOKENS, np.uint8),
+            behavior_logprobs=-rng.random(length - PROMPT_TOKENS, dtype=np.float32),
+            reward=1.0,
+            min_policy_version=0,
+            max_policy_version=0,
+            finish_reason="length",
+        )
+        for _ in range(SAMPLES)
+    ]
+    return Group.build(
+        group_id="g", prompt_id="p", credit_id=0, actor_id="bench", seq=0, trajectories=trajs
+    )
+
+
+def overrides_for(group_bytes: int, batch: int) -> list[str]:
+    """The hub's settings for groups of `group_bytes` served `batch` at a time: room for
+    512 MB of them (at least four batches), η out of reach."""
+    capacity = max(4 * batch, min(4096, (512 << 20) // group_bytes))
+    return [
+        f"learner.groups_per_step={batch}",
+        "replay.max_staleness=1000000000",
+        f"replay.capacity_groups={capacity}",
+        f"replay.max_message_bytes={max(256 << 20, 4 * batch * group_bytes)}",
+    ]
+
+
+def actor_main(
+    endpoint: str,
+    config_hash: str,
+    group_bytes: int,
+    concurrency: int,
+    count: int,
+    client_id: str,
+    ready: Any,
+    go: Any,
+    cpu: Any,
+) -> None:
+    """Push `count` groups, one per credit, as fast as credits come."""
+    # each group is the template under its credit and seq; built without the dataclass
+    # __init__ (dataclasses.replace): what an actor spends making groups is not measured here
+    fields = {**make_group(group_bytes).__dict__, "actor_id": client_id}
+    conn = HubConnection(
+        endpoint,
+        role="actor",
+        client_id=client_id,
+        config_hash=config_hash,
+        concurrency=concurrency,
+    )
+    conn.start()
+    gc.freeze()  # as the hub does: long-lived objects out of the collector's way
+    ready.set()
+    go.wait()
+    cpu_start = time.process_time()
+    seq = 0
+    while seq < count:
+        msg = conn.recv(timeout_s=10)
+        assert msg is not None, "no credits for 10 s"
+        if isinstance(msg, Credits):
+            for item in msg.items[: count - seq]:
+                conn.send(
+                    new_message(
+                        Group,
+                        {
+                            **fields,
+                            "credit_id": item.credit_id,
+                            "prompt_id": item.prompt_id,
+                            "seq": seq,
+                        },
+                    )
+                )
+                seq += 1
+    while conn.unacked():
+        time.sleep(0.001)
+    cpu.put(time.process_time() - cpu_start)
+    conn.close()
+
+
+def raw_push_main(
+    endpoint: str, group_bytes: int, count: int, bind: bool, ready: Any, go: Any, cpu: Any
+) -> None:
+    """Send the frames of `count` groups (same header bytes and arrays the hub path moves)."""
+    frames = [
+        bytes(memoryview(f)) if i == 0 else f for i, f in enumerate(encode(make_group(group_bytes)))
+    ]
+    push_frames(endpoint, frames, count, bind, ready, go, cpu)
+
+
+def push_frames(
+    endpoint: str, frames: list[Any], count: int, bind: bool, ready: Any, go: Any, cpu: Any
+) -> None:
+    """Send `frames` as one message `count` times through a PUSH socket, once `go` is set; put
+    the CPU seconds this process spent on `cpu` (ZeroMQ's I/O thread included)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.bind(endpoint) if bind else sock.connect(endpoint)
+    ready.set()
+    go.wait()
+    cpu_start = time.process_time()
+    for _ in range(count):
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=-1)
+    ctx.term()  # returns once ZeroMQ's I/O thread has sent everything: its CPU time counts too
+    cpu.put(time.process_time() - cpu_start)
+
+
+def relay_main(front: str, back: str) -> None:
+    """Forward `front` to `back` through `zmq.proxy`: two hops at C speed."""
+    keep_freed_buffers()  # as the hub: it too holds received messages until they are sent on
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(front)
+    push.connect(back)
+    zmq.proxy(pull, push)
+
 
 VARIANTS = ("hub", "hub_durable", "raw", "raw_relay")
 EXTRA_VARIANTS = ("hub_unpacked",)  # only when asked for: `--variants hub,hub_unpacked`
@@ -202,7 +336,7 @@ def run_raw(
     return elapsed, sum(parts.values())
 
 
-# --- setup, report --------------------------------------------------------------------------
+# --- the hubs ------------------------------------------------------------------------------
 
 
 DURABLE = ['replay.durability="durable"', 'replay.state_dir="STATE"', 'replay.fsync="commit"']
@@ -242,7 +376,7 @@ def start_hub(tmp: Path, overrides: list[str], profile: str = "") -> tuple[subpr
         "--log-level",
         "WARNING",
     ] + [a for o in overrides for a in ("--set", o)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=REPO)
     while not endpoint_file.exists():
         assert proc.poll() is None, "hub exited"
         time.sleep(0.05)
@@ -278,43 +412,44 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
         )
         hub["learner"].start()
         hubs[name] = hub
-    times: dict[str, list[float]] = {
-        name: [] for name in VARIANTS + EXTRA_VARIANTS if name in args.variants.split(",")
-    }
-    cpus: dict[str, list[float]] = {name: [] for name in times}
-    loads: list[float] = []  # 1-minute load average after each measured repetition
-    steals: list[float] = []  # % of the machine's CPU time the host took back, per repetition
+    names = [name for name in VARIANTS + EXTRA_VARIANTS if name in args.variants.split(",")]
     # the raw variants' CPU us per group by process, per repetition (the hubs keep theirs)
-    raw_parts: dict[str, list[dict[str, float]]] = {n: [] for n in times if n not in hubs}
-    try:
-        for rep in range(args.reps + 1):  # rep 0 warms up
-            for name in times:
-                ticks = cpu_ticks()
-                if name in hubs:
-                    hub = hubs[name]
-                    elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
-                else:
-                    elapsed, cpu_s = run_raw(actual, count, name == "raw_relay", raw_parts[name])
-                steal = steal_pct(ticks, cpu_ticks())
-                if rep:
-                    times[name].append(elapsed)
-                    cpus[name].append(cpu_s / count * 1e6)
-                    loads.append(os.getloadavg()[0])
-                    steals.append(steal)
-                parts = (hubs[name]["cpu_parts"] if name in hubs else raw_parts[name])[-1]
-                print(
-                    f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
-                    f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
-                    f"load {os.getloadavg()[0]:4.2f} steal {steal:4.1f}% "
-                    + " ".join(f"{k}={v:.0f}" for k, v in parts.items()),
-                    flush=True,
-                )
+    raw_parts: dict[str, list[dict[str, float]]] = {n: [] for n in names if n not in hubs}
+
+    def variant(name: str) -> Callable[[int], dict[str, float]]:
+        def one(rep: int) -> dict[str, float]:
+            ticks = cpu_ticks()
+            if name in hubs:
+                hub = hubs[name]
+                elapsed, cpu_s = run_hub(hub, hub["learner"], actual, count, batch, f"{rep}")
+            else:
+                elapsed, cpu_s = run_raw(actual, count, name == "raw_relay", raw_parts[name])
+            steal = steal_pct(ticks, cpu_ticks())
+            load = os.getloadavg()[0]
+            parts = (hubs[name]["cpu_parts"] if name in hubs else raw_parts[name])[-1]
+            print(
+                f"  {actual:>8} B  rep {rep}  {name:<9} {count / elapsed:>9.0f} groups/s  "
+                f"{count * actual / elapsed / 1e9:6.2f} GB/s  {cpu_s / count * 1e6:7.1f} CPU us/group "
+                f"load {load:4.2f} steal {steal:4.1f}% "
+                + " ".join(f"{k}={v:.0f}" for k, v in parts.items()),
+                flush=True,
+            )
+            return {"elapsed": elapsed, "cpu_us": cpu_s / count * 1e6, "steal": steal, "load": load}
+
+        return one
+
+    try:  # one warm-up repetition of every variant, then --reps
+        reps = interleave({name: variant(name) for name in names}, reps=args.reps, warmup=1)
         logs = durability(hubs["hub_durable"]["learner"]) if "hub_durable" in hubs else {}
     finally:
         for hub in hubs.values():
             hub["learner"].close()
             hub["proc"].terminate()
             hub["proc"].wait()
+    times = {name: [r["elapsed"] for r in rs] for name, rs in reps.items()}
+    cpus = {name: [r["cpu_us"] for r in rs] for name, rs in reps.items()}
+    loads = [r["load"] for rs in reps.values() for r in rs]  # 1-minute, after each repetition
+    steals = [r["steal"] for rs in reps.values() for r in rs]  # % the host took, per repetition
     packing = packing_ab(times, cpus, hubs, count) if {"hub", "hub_unpacked"} <= set(times) else {}
     if set(times) - set(EXTRA_VARIANTS) != set(VARIANTS) or not args.reps:
         durable_ab = (
@@ -387,6 +522,75 @@ def bench_size(group_bytes: int, args: argparse.Namespace, tmp: Path) -> dict[st
     }
 
 
+# --- what is reported beside the per-size figures ------------------------------------------
+
+
+def durable_vs_volatile(times: dict[str, list[float]], count: int) -> dict[str, Any]:
+    """`hub_durable` against `hub`, repetition by repetition (a run of just those two)."""
+    if not times["hub"]:
+        return {}
+    ratio = [h / d for h, d in zip(times["hub"], times["hub_durable"], strict=True)]
+    return {
+        "durable_over_volatile": statistics.median(ratio),
+        "durable_over_volatile_stats": spread(ratio),
+        "hub_groups_per_s": statistics.median(count / t for t in times["hub"]),
+        "hub_durable_groups_per_s": statistics.median(count / t for t in times["hub_durable"]),
+    }
+
+
+def packing_ab(
+    times: dict[str, list[float]], cpus: dict[str, list[float]], hubs: dict[str, Any], count: int
+) -> dict[str, Any]:
+    """`hub` (batches packed as `replay.pack_frames_below` says) against `hub_unpacked` (never),
+    repetition by repetition: throughput and CPU time per group, by process."""
+    if not times["hub"]:
+        return {}
+    speed = [u / p for p, u in zip(times["hub"], times["hub_unpacked"], strict=True)]
+    cpu = [p / u for p, u in zip(cpus["hub"], cpus["hub_unpacked"], strict=True)]
+    return {
+        "packed_over_unpacked_groups_per_s": spread(speed),
+        "packed_over_unpacked_cpu": spread(cpu),
+        "packed_groups_per_s": statistics.median(count / t for t in times["hub"]),
+        "unpacked_groups_per_s": statistics.median(count / t for t in times["hub_unpacked"]),
+        **{
+            f"{name}_cpu_us_per_group_by_process": {
+                k: spread([p[k] for p in hubs[name]["cpu_parts"][1:]])
+                for k in ("actor", "hub", "hub_loop", "learner")
+            }
+            for name in ("hub", "hub_unpacked")
+        },
+    }
+
+
+TARGETS = {"ratio_vs_relay": 0.8, "hub_groups_per_s_32k": 10_000, "durable_over_volatile_256k": 0.7}
+
+
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The goals of this benchmark (medians against them): hub >= 0.8x the two-hop relay at
+    every size, >= 10,000 groups/s at 32 KB, durable >= 0.7x volatile at 256 KB."""
+    done = [r for r in results if not r.get("partial")]
+    near = (
+        {
+            size: min(done, key=lambda r: abs(r["group_bytes"] - size))
+            for size in (32 << 10, 256 << 10)
+        }
+        if done
+        else {}
+    )
+    met: dict[str, bool] = {
+        f"ratio_vs_relay_{r['group_bytes']}": r["ratio_vs_relay"] >= TARGETS["ratio_vs_relay"]
+        for r in done
+    }
+    if near:
+        met["hub_groups_per_s_32k"] = (
+            near[32 << 10]["hub_groups_per_s"] >= TARGETS["hub_groups_per_s_32k"]
+        )
+        met["durable_over_volatile_256k"] = (
+            near[256 << 10]["durable_over_volatile"] >= TARGETS["durable_over_volatile_256k"]
+        )
+    return {"goals": TARGETS, "met": met}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (after one warm-up)")
@@ -418,7 +622,7 @@ def main() -> None:
         help="a setting for every hub variant (e.g. replay.io_threads=1)",
     )
     p.add_argument("--profile-hub", default="", help="cProfile the hubs into PATH.<variant>.<size>")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport.json"))
+    p.add_argument("--out", default=str(RESULTS / "transport.json"))
     args = p.parse_args()
     keep_freed_buffers()  # as the hub does: this process is the learner and the raw receiver
     gc.freeze()
@@ -429,7 +633,7 @@ def main() -> None:
         results = [bench_size(int(s), args, Path(tmp)) for s in args.sizes.split(",")]
     out = {
         "benchmark": "transport",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(__file__),
         "config": {
             "reps": args.reps,
             "bytes_per_rep": args.bytes_per_rep,
@@ -441,8 +645,7 @@ def main() -> None:
         "results": results,
     }
     out["targets"] = targets(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)
     for r in results:
         if r.get("partial"):
             continue

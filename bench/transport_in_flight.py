@@ -22,17 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
+from bench.common import REPO, RESULTS, command_line, environment, spread, write_json
 
 
 def one_run(depth: int, size: int, reps: int, out: Path) -> dict[str, Any]:
     """One bench/transport.py run of hub and hub_durable at `depth`; its result for `size`."""
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "transport.py"),
+        "-m",
+        "bench.transport",
         "--sizes",
         str(size),
         "--variants",
@@ -44,7 +42,7 @@ def one_run(depth: int, size: int, reps: int, out: Path) -> dict[str, Any]:
         "--out",
         str(out),
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["results"][0]
 
 
@@ -58,7 +56,7 @@ def main() -> None:
         help="learner requests out, one run each (0: bench/transport.py's default)",
     )
     p.add_argument("--sizes", default="32768,262144", help="group bytes, comma-separated")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transport_in_flight.json"))
+    p.add_argument("--out", default=str(RESULTS / "transport_in_flight.json"))
     args = p.parse_args()
     depths = {(f"{d} requests" if int(d) else "64 MB"): int(d) for d in args.depths.split(",")}
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -92,7 +90,7 @@ def main() -> None:
         args.out,
         {
             "benchmark": "transport_in_flight",
-            "command": "python bench/transport_in_flight.py " + " ".join(sys.argv[1:]),
+            "command": command_line(__file__),
             "runs": runs,
             "summary": summary,
             **environment(packages=("numpy", "zmq", "msgpack")),

@@ -3,7 +3,7 @@ time to sync a ~7 B-parameter model from a learner GPU into a vLLM engine. One s
 (a few minutes on one GPU node); needs CUDA, cupy and a CUDA build of vLLM.
 
 - `nccl`: with >= 2 GPUs, cuda:0 broadcasts 1 GiB buckets to a receiver process on cuda:1
-  through asyncrl's own NCCL group (asyncrl/weights/nccl_backend.py: side stream, two buffers in
+  through asyncrl's own NCCL group (asyncrl/weights/backends.py: side stream, two buffers in
   flight), against a peer-to-peer `copy_` cuda:0 -> cuda:1 of the same bytes (the ceiling).
   With one GPU NCCL cannot form a 2-rank group and the JSON says so.
 - `sync_7b`: a Qwen2-7B-shaped model (random bf16 weights; vLLM starts with load_format
@@ -31,10 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread  # noqa: E402
+from bench.common import RESULTS, command_line, environment, repeat, spread, write_json
 
 GIB = 1 << 30
 QWEN2_7B = {
@@ -82,8 +79,9 @@ def nccl_bandwidth(reps: int, nbytes: int = GIB) -> dict[str, Any]:
     group = NcclGroup(store, epoch=1, rank=0, world_size=2, timeout_s=120.0, unique_id=uid)
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    bcast, copy = [], []
-    for rep in range(reps + 1):
+
+    def one(_rep: int) -> tuple[float, float]:
+        """Seconds of the broadcast, then of the peer copy."""
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         group.broadcast([src])
@@ -91,10 +89,9 @@ def nccl_bandwidth(reps: int, nbytes: int = GIB) -> dict[str, Any]:
         t1 = time.perf_counter()
         dst.copy_(src)
         torch.cuda.synchronize(1)
-        t2 = time.perf_counter()
-        if rep:  # the first is warm-up
-            bcast.append(t1 - t0)
-            copy.append(t2 - t1)
+        return t1 - t0, time.perf_counter() - t1
+
+    bcast, copy = map(list, zip(*repeat(one, reps=reps, warmup=1), strict=True))
     group.close()
     proc.join(timeout=120)
     if proc.is_alive():
@@ -139,15 +136,16 @@ def sync_7b(reps: int) -> dict[str, Any]:
         (n, torch.randn(s, dtype=torch.bfloat16, device="cuda:0")) for n, s in shapes.items()
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in learner)
-    times = []
-    for rep in range(reps + 1):
+
+    def one(_rep: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.collective_rpc("load_hf_weights", args=(learner,))
         llm.reset_prefix_cache()
         torch.cuda.synchronize()
-        if rep:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    times = repeat(one, reps=reps, warmup=1)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
     return {
         "params": sum(t.numel() for _, t in learner),
@@ -162,20 +160,20 @@ def sync_7b(reps: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "weights_gpu.json"))
+    parser.add_argument("--out", default=str(RESULTS / "weights_gpu.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("weights_gpu: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
         return 2
     result = {
         "benchmark": "weights_gpu",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(__file__),
         **environment(("torch", "cupy", "vllm")),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "nccl": nccl_bandwidth(args.reps),
         "sync_7b": sync_7b(args.reps),
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("gpus", "nccl", "sync_7b")}, indent=1))
     return 0
 

@@ -27,20 +27,15 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_common import environment, spread, write_json  # noqa: E402
-from transport_peers import SIZES, make_group, push_frames  # noqa: E402
-
-from asyncrl.protocol.codec import encode  # noqa: E402
+from asyncrl.protocol.codec import encode
+from bench.common import RESULTS, command_line, environment, interleave, spread, write_json
+from bench.transport import SIZES, make_group, push_frames
 
 LAYOUTS = ("frames_4", "frames_2", "frames_1", "groups_8")
 GROUPS_PER_MESSAGE = 8
@@ -108,9 +103,9 @@ def bench_size(group_bytes: int, reps: int, bytes_per_rep: int) -> dict[str, Any
     actual = make_group(group_bytes).nbytes
     groups = max(256, bytes_per_rep // actual)
     groups -= groups % GROUPS_PER_MESSAGE
-    runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in LAYOUTS}
-    for rep in range(reps + 1):  # rep 0 warms up
-        for layout in LAYOUTS:
+
+    def variant(layout: str) -> Callable[[int], dict[str, float]]:
+        def one(rep: int) -> dict[str, float]:
             r = run(layout, group_bytes, groups)
             print(
                 f"  {actual:>8} B  rep {rep}  {layout:<8}  sender {r['sender_cpu_us_per_group']:7.1f}"
@@ -118,8 +113,12 @@ def bench_size(group_bytes: int, reps: int, bytes_per_rep: int) -> dict[str, Any
                 f"  {r['groups_per_s']:8.0f} groups/s",
                 flush=True,
             )
-            if rep:
-                runs[layout].append(r)
+            return r
+
+        return one
+
+    # one warm-up repetition, then the layouts in turn, repetition by repetition
+    runs = interleave({layout: variant(layout) for layout in LAYOUTS}, reps=reps, warmup=1)
     layouts = {
         layout: {key: spread([r[key] for r in rs]) for key in rs[0]} for layout, rs in runs.items()
     }
@@ -145,7 +144,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (after one warm-up)")
     p.add_argument("--bytes-per-rep", type=int, default=256 << 20, help="bytes per repetition")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="approximate group bytes")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "zmq_framing.json"))
+    p.add_argument("--out", default=str(RESULTS / "zmq_framing.json"))
     args = p.parse_args()
     env = environment(("zmq",))
     results = [bench_size(int(s), args.reps, args.bytes_per_rep) for s in args.sizes.split(",")]
@@ -153,7 +152,7 @@ def main() -> None:
         args.out,
         {
             "benchmark": "zmq_framing",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": command_line(__file__),
             "config": {
                 "reps": args.reps,
                 "bytes_per_rep": args.bytes_per_rep,

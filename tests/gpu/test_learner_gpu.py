@@ -8,16 +8,12 @@ cuda:LOCAL_RANK and `learner/parallel.py` picks nccl when CUDA is present).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from integration.test_learner_world import exported, max_diff, run_world
 from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from test_learner_world import exported, max_diff, run_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -12,10 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.transport import learner_in_flight
 
-from transport import learner_in_flight  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_learner_keeps_64_mb_of_batches_requested_and_at_least_four() -> None:

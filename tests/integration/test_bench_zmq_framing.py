@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.zmq_framing import LAYOUTS, message
 
-from zmq_framing import LAYOUTS, message  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_layout_carries_the_same_bytes() -> None:

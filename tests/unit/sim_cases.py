@@ -6,16 +6,12 @@ ground truth for calibration."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bench.sim.model import SimConfig, simulate  # noqa: E402
-from bench.sim.timing import (  # noqa: E402
+from bench.sim.model import SimConfig, simulate
+from bench.sim.timing import (
     GenerationTime,
     LearnerTime,
     LengthModel,

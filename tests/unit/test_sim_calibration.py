@@ -11,14 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_cases import synthetic_measurements
+
+from bench.sim.calibrate import calibrate, nnls
+from bench.sim.points import load_points
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from sim_cases import synthetic_measurements  # noqa: E402
-
-from bench.sim.calibrate import calibrate, nnls  # noqa: E402
-from bench.sim.points import load_points  # noqa: E402
 
 
 def test_nnls_recovers_exact_coefficients() -> None:

@@ -9,21 +9,14 @@ algebra of each case, never from the simulator.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from sim_cases import MEASURED, TOKENS, B, S, one_actor
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from sim_cases import MEASURED, TOKENS, B, S, one_actor  # noqa: E402
-
-from bench.sim.calibrate import Calibration, LearnerFit, sim_config_for  # noqa: E402
-from bench.sim.cluster import ClusterAssumptions  # noqa: E402
-from bench.sim.model import simulate  # noqa: E402
-from bench.sim.points import parse_point  # noqa: E402
-from bench.sim.timing import GenerationTime, LearnerTime  # noqa: E402
+from bench.sim.calibrate import Calibration, LearnerFit, sim_config_for
+from bench.sim.cluster import ClusterAssumptions
+from bench.sim.model import simulate
+from bench.sim.points import parse_point
+from bench.sim.timing import GenerationTime, LearnerTime
 
 IN_FLIGHT = {"weight_update": "in_flight", "inflight_pause_s": 0.25}
 

@@ -15,29 +15,22 @@ moment they land, so the window moves with each sync.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_cases import MEASURED, OLD, B, S, one_actor
 
-from replay import admission
-from replay.buffer import ReplayBuffer
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from sim_cases import MEASURED, OLD, B, S, one_actor  # noqa: E402
-
-from bench.sim.cluster import ClusterAssumptions  # noqa: E402
-from bench.sim.hub import FreeSlots  # noqa: E402
-from bench.sim.model import Simulation, SimulationStalled, simulate  # noqa: E402
-from bench.sim.timing import (  # noqa: E402
+from bench.sim.cluster import ClusterAssumptions
+from bench.sim.hub import FreeSlots
+from bench.sim.model import Simulation, SimulationStalled, simulate
+from bench.sim.timing import (
     GenerationTime,
     LearnerTime,
     Spread,
     check_spread,
 )
+from replay import admission
+from replay.buffer import ReplayBuffer
 
 
 @pytest.mark.parametrize(("g", "s"), [(1.5, 0.5), (1.0, 1.5)])

@@ -1,6 +1,16 @@
-"""What every benchmark records besides its numbers: machine, library versions, commit, spread;
-and the machine measurements several take (CPU time of a process or thread, the host's steal,
-the disk's fsync'd bandwidth)."""
+"""What every benchmark shares: the timed loop (warm-up, then repetitions, interleaved across
+variants), the median/min/max of its samples, the record each writes (command, machine,
+library versions, commit) as JSON, and the machine measurements several take (CPU time of a
+process or thread, the host's steal, the disk's fsync'd bandwidth).
+
+```
+  repeat(run, reps, warmup):      run(0) .. run(warmup - 1)  dropped (caches, pools, connections)
+                                  run(warmup) .. run(warmup + reps - 1)  kept, in order
+  interleave({name: run}, ...):   per repetition every variant once, in turn, so the machine's
+                                  noise hits all of them alike
+  timed(work, ...) -> Samples:    seconds of each kept call; .median .min .max .spread()
+```
+"""
 
 from __future__ import annotations
 
@@ -11,13 +21,86 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
 DEFAULT_PACKAGES = ("numpy", "zmq", "msgpack", "torch", "transformers")
+
+T = TypeVar("T")
+
+
+def repeat(run: Callable[[int], T], *, reps: int, warmup: int) -> list[T]:
+    """Call `run(rep)` for rep = 0 .. warmup + reps - 1 and return what the last `reps` calls
+    returned: the first `warmup` calls only warm up (`reps` = 0: a warm-up alone, a smoke run)."""
+    if reps < 0 or warmup < 0:
+        raise ValueError(f"repeat: reps and warmup must be >= 0, got {reps}, {warmup}")
+    return [run(rep) for rep in range(warmup + reps)][warmup:]
+
+
+def interleave(
+    variants: Mapping[str, Callable[[int], T]],
+    *,
+    reps: int,
+    warmup: int,
+    report: Callable[[int, dict[str, T]], None] | None = None,
+) -> dict[str, list[T]]:
+    """Every variant once per repetition, in their order (warm-up repetitions included, their
+    results dropped); each variant's results in repetition order. `report(rep, results)` sees
+    every repetition's results as they come (progress lines)."""
+
+    def one(rep: int) -> dict[str, T]:
+        results = {name: run(rep) for name, run in variants.items()}
+        if report is not None:
+            report(rep, results)
+        return results
+
+    rows = repeat(one, reps=reps, warmup=warmup)
+    return {name: [row[name] for row in rows] for name in variants}
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Repeated measurements of one quantity (seconds, for `timed`)."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def min(self) -> float:
+        return min(self.values)
+
+    @property
+    def max(self) -> float:
+        return max(self.values)
+
+    def spread(self) -> dict[str, float]:
+        return spread(self.values)
+
+
+def timed(
+    work: Callable[[], object],
+    *,
+    reps: int,
+    warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Samples:
+    """`clock` seconds of each of `reps` calls of `work()` after `warmup` untimed ones."""
+
+    def once(_rep: int) -> float:
+        start = clock()
+        work()
+        return clock() - start
+
+    return Samples(tuple(repeat(once, reps=reps, warmup=warmup)))
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -28,6 +111,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
         "max": max(values),
         "n": len(values),
     }
+
+
+def command_line(script: str, argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces this run, from the repository root:
+    `python bench/NAME.py ARGS` (ARGS: `argv`, else this process's own)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python", os.path.relpath(Path(script).resolve(), REPO), *args])
 
 
 def environment(
@@ -78,11 +168,12 @@ def environment(
     }
 
 
-def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Write a result file (pretty, trailing newline), creating bench/results/ if needed."""
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write a result file (pretty, trailing newline), creating its directory if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
 
 
 def proc_cpu_s(pid: int, task: str = "") -> float:
