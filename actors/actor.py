@@ -46,8 +46,7 @@ from actors.envs.data import from_credit
 from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
 from actors.evaluation import ActorEvaluator
 from actors.rewards.canaries import canary_runner
-from actors.rewards.components import item_from_episode
-from actors.rewards.pipeline import RewardOutcome, RewardPipeline
+from actors.rewards.pipeline import RewardOutcome, RewardPipeline, item_from_episode
 from asyncrl.config import ActorConfig, RunConfig
 from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol.messages import (
@@ -255,9 +254,8 @@ class Actor:
         if isinstance(msg, Credits):
             self.group_size = msg.group_size
             self.pending.extend(msg.items)
-            need = max(0, msg.policy_version - self.cfg.replay.max_staleness)
-            need -= need % self.cfg.learner.publish_every  # only these versions are published
-            self.min_weights_version = max(self.min_weights_version, need)
+            # the hub's floor: v - η, rounded down to a published version (replay/core.py)
+            self.min_weights_version = max(self.min_weights_version, msg.min_weights_version)
         elif isinstance(msg, Error):
             print(
                 f"[{self.actor_id}] hub refused a message: {msg.code} {msg.field}: {msg.detail}",

@@ -70,8 +70,8 @@ def main(argv: Sequence[str]) -> int:
 
     from actors.envs.registry import env_factory
     from asyncrl.models.tiny import ensure_model
+    from asyncrl.weights.broadcast import WeightReceiver
     from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
-    from asyncrl.weights.receiver import WeightReceiver
 
     make_env = env_factory(cfg.task)  # an unknown task fails before the engine loads
     model_dir = ensure_model(cfg.model, cfg.task)

@@ -27,8 +27,9 @@ the last one; an episode's cache is released when it ends.
 
 A trajectory is the prompt's tokens, then per turn the engine's own ids (loss_mask 1, the
 engine's behaviour logprobs) and the next observation tokenized on its own (loss_mask 0,
-logprob 0; actors/chat_tokens.py). A turn cut by the per-turn token limit is closed with the
-stop token (loss_mask 0) before the observation, so the context stays well formed.
+logprob 0; see "observations as tokens" below). A turn cut by the per-turn token limit is
+closed with the stop token (loss_mask 0) before the observation, so the context stays well
+formed.
 
 Every episode ends with a finish reason: `stop` (the environment ended it), `length` (a token
 limit: the last turn was cut, or the episode's budget is spent), `turn_limit`, `tool_error`
@@ -36,25 +37,284 @@ limit: the last turn was cut, or the episode's budget is spent), `turn_limit`, `
 raised; reward 0, `reward_failed` says why). Sampling is seeded: the first turn of a credit
 uses the credit's seed (as single-turn generation always has), later turns a seed derived from
 it, the member and the turn; with the same model outputs an episode repeats exactly.
+
+One episode and its group (`Episode`, `EpisodeGroup`): the token context built turn by turn
+(the engine's own ids with loss_mask 1 and their logprobs, observations with loss_mask 0), the
+policy version of every turn, how it ended, and the trajectory it becomes; `EpisodeLimits`
+holds the task's bounds on turns and tokens and the sampling settings.
+
+Observations as tokens (`ChatTokens`): the first rendered whole, every later one on its own
+(a delta). Token in, token out: an episode's tokens are the prompt's tokens, then the engine's
+own ids for each model turn and the tokens of each later observation, tokenized by itself.
+Nothing is ever re-rendered or re-tokenized as a whole chat, so BPE merges across a turn
+boundary and chat templates that rewrite past turns (dropping earlier reasoning, say) cannot
+make the trajectory differ from what the engine saw and produced.
+
+```
+  first observation   messages + tools --chat template (add_generation_prompt)--> text --> ids
+                      raw text        --tokenizer (bos as the tokenizer adds it)--------> ids
+  model turn          engine ids, as generated (stop token included)
+  later observation   delta of the chat template (below) or raw text --> ids (no bos)
+```
+
+The delta of new messages is what the template writes after an assistant turn's end token and
+up to the next generation prompt. It is taken from renders of a fixed stand-in conversation
+(system, user, assistant "x"): render it with the new messages and a generation prompt, cut
+right after the stand-in assistant's end-of-turn token (the tokenizer's eos). Templates that
+add a default system prompt or treat past reasoning specially see the same stand-in in both
+renders. A template whose render does not continue the stand-in's text up to that cut is
+refused with a `ValueError` (it cannot be rendered incrementally).
+
+Without a chat template, messages are their contents joined by newlines (tool schemas, if any,
+as JSON lines before them).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from actors.chat_tokens import ChatTokens
 from actors.engines.base import Continue, Engine, GenerationRequest, Sample
-from actors.envs.base import Env, Row, Step
-from actors.episode import COUNTS, Episode, EpisodeGroup, EpisodeLimits
+from actors.envs.base import Env, Observation, Row, Step
+from asyncrl.config import RunConfig
 
 ROUND_RECORDS = 4096  # generate calls whose time the runner keeps (the latest ones)
+COUNTS = ("tool_calls", "tool_errors", "malformed_calls")
+"""Per-episode tool counters (summed into the runner's stats)."""
+KNOWN_TEXTS = 4096  # texts whose ids are remembered
+
+STAND_IN: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "x"},
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": "x"},
+)
+
+
+# --- one episode, its group and its limits -------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeLimits:
+    """Sampling and the limits of one episode (from `actor` and `task` config)."""
+
+    max_turns: int = 8
+    max_new_tokens: int = 8
+    max_episode_tokens: int = 0
+    timeout_s: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EpisodeLimits:
+        return cls(
+            max_turns=cfg.task.max_turns,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            max_episode_tokens=cfg.task.max_episode_tokens,
+            timeout_s=cfg.task.episode_timeout_s,
+            temperature=cfg.actor.temperature,
+            top_p=cfg.actor.top_p,
+        )
+
+
+@dataclass(eq=False, kw_only=True)
+class Episode:
+    """One conversation between the model and its environment, and its token record."""
+
+    group: EpisodeGroup
+    index: int
+    env: Env
+    prompt: list[int]
+    deadline: float
+    chunks: list[tuple[np.ndarray, np.ndarray | None]] = field(default_factory=list)
+    """(token ids, behaviour logprobs) per stretch: logprobs for model turns, None for env text."""
+    versions: list[np.ndarray | None] = field(default_factory=list)
+    """Per chunk: the policy version of each model token (None for environment text)."""
+    num_tokens: int = 0
+    model_texts: list[str] = field(default_factory=list)
+    num_turns: int = 0
+    min_version: int = -1
+    max_version: int = -1
+    truncated: bool = False
+    last_step: Step | None = None
+    finish_reason: str = ""
+    reward_failed: str = ""
+    env_s: float = 0.0
+    tool_s: float = 0.0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    pending: Future[tuple[Step | Exception, float]] | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def cache_key(self) -> str:
+        """Where the engine keeps this episode's KV cache between turns."""
+        return f"ep{id(self)}"
+
+    @property
+    def awaiting_model(self) -> bool:
+        return not self.finish_reason and self.pending is None
+
+    @property
+    def reward(self) -> float:
+        """The task reward: the last step's (0 before any, or when the environment failed)."""
+        return 0.0 if self.last_step is None or self.reward_failed else self.last_step.reward
+
+    def context(self) -> list[int]:
+        return self.prompt + [int(t) for tokens, _ in self.chunks for t in tokens]
+
+    def version_spans(self) -> tuple[int, ...]:
+        """Flat (first completion token, version) pairs where the producing version changes
+        (environment tokens carry the version before them); () when one version made it all."""
+        spans: list[int] = []
+        at, current = 0, -1
+        for (tokens, _), versions in zip(self.chunks, self.versions, strict=True):
+            if versions is None:
+                at += len(tokens)
+                continue
+            for offset in np.flatnonzero(np.diff(versions, prepend=current)):
+                current = int(versions[offset])
+                spans += [at + int(offset), current]
+            at += len(tokens)
+        return tuple(spans) if len(spans) > 2 else ()
+
+    def trajectory(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [L], loss_mask [L - prompt_len], behaviour logprobs [L - prompt_len])."""
+        prompt = np.asarray(self.prompt, dtype=np.int32)
+        if len(self.chunks) == 1 and self.chunks[0][1] is not None:  # one model turn
+            tokens, logprobs = self.chunks[0]
+            mask = np.ones(len(tokens), dtype=np.uint8)
+            return np.concatenate([prompt, tokens]), mask, logprobs
+        tokens = [prompt] + [c for c, _ in self.chunks]
+        masks = [np.full(len(c), lp is not None, dtype=np.uint8) for c, lp in self.chunks]
+        lps = [np.zeros(len(c), np.float32) if lp is None else lp for c, lp in self.chunks]
+        if not self.chunks:
+            return prompt, np.zeros(0, np.uint8), np.zeros(0, np.float32)
+        return np.concatenate(tokens), np.concatenate(masks), np.concatenate(lps)
+
+
+@dataclass(eq=False, kw_only=True)
+class EpisodeGroup:
+    """The episodes of one credit (one prompt, `group_size` samples)."""
+
+    tag: Any
+    row: Row
+    seed: int
+    episodes: list[Episode] = field(default_factory=list)
+    generate_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.episodes)
+
+
+# --- observations as tokens ----------------------------------------------------------------------
+
+
+class ChatTokens:
+    """Tokens of observations for one tokenizer (with or without a chat template)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        eos = tokenizer.eos_token_id
+        self.stop_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        self._cut: tuple[str, int] | None = None  # (stand-in prefix, cut position)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        """The fast tokenizer's own encoder (what `tokenizer(text)` runs, without its
+        per-call overhead), when the tokenizer has one."""
+        self._known: dict[tuple[str, bool], list[int]] = {}
+        """Ids of texts seen before (observations repeat: template deltas, tool results)."""
+
+    def first(self, obs: Observation) -> list[int]:
+        """Token ids of the prompt (the episode's first observation)."""
+        if obs.messages:
+            if self.chat:
+                text = self.tokenizer.apply_chat_template(
+                    list(obs.messages),
+                    tools=list(obs.tools) or None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                return self.encode(text)
+            return self.encode(_tools_text(obs.tools) + _joined(obs.messages), special=True)
+        if obs.text:
+            return self.encode(obs.text, special=True)
+        raise ValueError("the first observation has neither messages nor text")
+
+    def next(self, obs: Observation) -> list[int]:
+        """Token ids of a later observation, tokenized on its own (no bos)."""
+        if obs.messages:
+            text = self.delta(obs.messages) if self.chat else "\n" + _joined(obs.messages)
+            return self.encode(text)
+        return self.encode(obs.text or "")
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        if not text:
+            return []
+        known = self._known.get((text, special))
+        if known is not None:
+            return list(known)
+        if self._backend is not None:
+            ids = list(self._backend.encode(text, add_special_tokens=special).ids)
+        else:
+            ids = list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        if len(self._known) < KNOWN_TEXTS:
+            self._known[(text, special)] = ids
+        return list(ids)
+
+    def delta(self, messages: Sequence[dict[str, str]]) -> str:
+        """Template text of `messages` after an assistant turn, generation prompt included."""
+        prefix, cut = self._stand_in_cut()
+        full = self.tokenizer.apply_chat_template(
+            [*STAND_IN, *messages], add_generation_prompt=True, tokenize=False
+        )
+        if full[:cut] != prefix[:cut]:
+            raise ValueError(
+                "chat template: adding messages rewrites the turns before them, so it cannot be "
+                "rendered turn by turn"
+            )
+        return full[cut:]
+
+    def _stand_in_cut(self) -> tuple[str, int]:
+        if self._cut is None:
+            prefix = self.tokenizer.apply_chat_template(list(STAND_IN), tokenize=False)
+            ends = [prefix.rfind(t) for t in self._stop_texts()]
+            end = max(ends)
+            if end < 0:
+                raise ValueError(
+                    "chat template: no end-of-turn token (the tokenizer's eos) after an "
+                    "assistant message; set the tokenizer's eos_token to the template's"
+                )
+            token = self._stop_texts()[ends.index(end)]
+            self._cut = (prefix, end + len(token))
+        return self._cut
+
+    def _stop_texts(self) -> list[str]:
+        return [self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids]
+
+
+def _tools_text(tools: Sequence[dict[str, Any]]) -> str:
+    """Tool schemas as plain text, for a tokenizer without a chat template to render them."""
+    if not tools:
+        return ""
+    return "Tools (JSON schemas):\n" + "\n".join(json.dumps(t) for t in tools) + "\n"
+
+
+def _joined(messages: Sequence[dict[str, str]]) -> str:
+    return "\n".join(m["content"] for m in messages)
+
+
+# --- many episodes over one engine ---------------------------------------------------------------
 
 
 class EpisodeRunner:

@@ -21,8 +21,9 @@ Subcommand modules are imported only when chosen, so `asyncrl replay` never impo
 
 from __future__ import annotations
 
-import importlib
 import sys
+
+from asyncrl.plugins import load_attr
 
 COMMANDS = {
     "replay": ("replay.main", "main"),
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     module, func = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    return int(load_attr(f"{module}:{func}", what=f"asyncrl {name}")(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS, command_line, environment, write_json
-from launch.run import read_metrics
+from learner.metrics_log import read_metrics
 
 ROLES = ("hub", "actor", "learner")
 
@@ -124,9 +124,9 @@ def alive(pid: int) -> bool:
 def hub_state(run_dir: Path) -> Any:
     """The hub's state as a restarted hub would recover it from <run_dir>/replay."""
     from asyncrl.config import load_config
+    from replay.core import HubState
     from replay.durability import WriteAheadLog
     from replay.prompts import PromptSource, load_dataset
-    from replay.state import HubState
 
     cfg = load_config(str(run_dir / "config.toml"), [])
     state = HubState(cfg, PromptSource(load_dataset(run_dir / "prompts.jsonl")), incarnation=1)

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.engines.base import GenerationRequest
 from actors.engines.torch_engine import TorchEngine
 from actors.envs.sort_task import make_prompts, make_verifier
-from actors.rewards.base import safe_score
+from actors.rewards.pipeline import safe_score
 from asyncrl.config import RunConfig, load_config
 from asyncrl.models.tiny import ensure_model
 from bench.common import REPO, RESULTS, command_line, environment, repeat, spread, write_json

@@ -29,7 +29,8 @@ from typing import Any
 from asyncrl.config import RunConfig, load_config
 from bench.common import REPO, RESULTS, command_line, environment, repeat, spread, write_json
 from bench.minimal_grpo import run_minimal
-from launch.run import read_metrics, run
+from launch.run import run
+from learner.metrics_log import read_metrics
 
 
 def system_point(cfg: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:

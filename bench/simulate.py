@@ -5,8 +5,8 @@
                                      [--modes between_groups,in_flight]
                                      [--assume key=value ...] [--what-if-no-weight-wait]
 
-The model (bench/sim/model.py) drives the hub's real admission and replay-buffer code
-(`replay.admission`, `replay.buffer`) with simulated actors, learner and weight publications.
+The model (bench/sim/model.py) drives the hub's own core (`replay.core.HubCore`: admission,
+credits, the replay buffer, batches) with simulated actors, learner and weight publications.
 `calibrate` fits the free time parameters to `bench/staleness.py`'s measured points and reports
 the error per point; `predict` runs the stated `ClusterAssumptions` (bench/sim/cluster.py) for
 each η, repeated over seeds (median/min/max), and writes bench/results/simulate.json and

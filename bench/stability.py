@@ -32,7 +32,8 @@ from typing import Any
 
 from asyncrl.config import RunConfig, load_config
 from bench.common import REPO, RESULTS, command_line, environment, spread, write_json
-from launch.run import read_metrics, run
+from launch.run import run
+from learner.metrics_log import read_metrics
 
 DIAGNOSTICS = (
     "is_weight_mean",

@@ -60,6 +60,7 @@ from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, T
 from asyncrl.config import load_config
 from asyncrl.transport.sockets import free_port
 from asyncrl.weights.backends import GlooGroup
+from asyncrl.weights.broadcast import WeightPublisher, WeightReceiver
 from asyncrl.weights.bucket_plan import (
     BucketPlan,
     allocate_buckets,
@@ -67,8 +68,6 @@ from asyncrl.weights.bucket_plan import (
     params_from_module,
     staged_buckets,
 )
-from asyncrl.weights.publisher import WeightPublisher
-from asyncrl.weights.receiver import WeightReceiver
 from bench.common import (
     REPO,
     RESULTS,

@@ -309,7 +309,8 @@ def launch(cfg: RunConfig, run_dir: Path, address: str) -> dict[str, Any]:
     """Place everything on the Ray cluster at `address`, run until the learner ends."""
     import ray
 
-    from launch.run import MetricsTail, plot_reward, prepare, progress_line, read_metrics, summarize
+    from launch.run import plot_reward, prepare, progress_line, summarize
+    from learner.metrics_log import MetricsTail, read_metrics
 
     config_path, dataset = prepare(cfg, run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)

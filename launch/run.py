@@ -13,7 +13,7 @@
   Each child runs in its own process group: a terminal's Ctrl-C reaches `asyncrl run` alone,
   which stops them in this order (SIGTERM and SIGHUP to it do the same); a child gets SIGTERM
   if `asyncrl run` itself dies.
-  crash: a child that exits with an error is restarted (asyncrl/supervise.py), bounded and
+  crash: a child that exits with an error is restarted (launch/supervise.py), bounded and
   with backoff; a run that cannot go on ends with one line saying why.
 ```
 
@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 from asyncrl.config import RunConfig, load_config, to_toml
 from launch.processes import Processes
 from launch.supervise import Supervisor
+from learner.metrics_log import MetricsTail, read_metrics
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
@@ -113,36 +113,6 @@ def thread_split(cfg: RunConfig) -> tuple[int, int]:
     return learner, actor
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a metrics.jsonl (the line being written is left for later)."""
-    return MetricsTail(path, keep=None).poll()
-
-
-class MetricsTail:
-    """The records a growing metrics.jsonl gained since the last poll, parsed once each: the
-    progress line of a long run costs its new lines, not the whole file every second."""
-
-    def __init__(self, path: Path, keep: int | None = 10) -> None:
-        self.path = path
-        self.offset = 0
-        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
-
-    def poll(self) -> list[dict[str, Any]]:
-        """The last `keep` records (all of them with keep=None), new ones read first."""
-        if self.path.is_file():
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-            complete = data.rfind(b"\n") + 1  # a line without its newline is still being written
-            for line in data[:complete].splitlines():
-                try:
-                    self.recent.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # blank, or torn by a crash and continued by a resumed learner
-            self.offset += complete
-        return list(self.recent)
-
-
 def progress_line(rows: list[dict[str, Any]], elapsed_s: float) -> str:
     if not rows:
         return f"[{elapsed_s:6.1f}s] waiting for the first learner step..."
@@ -207,7 +177,7 @@ def plot_reward(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def run(cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
     """Start everything, supervise it, show progress until the learner finishes, a process
-    cannot go on (asyncrl/supervise.py) or the budget runs out; `summary["reason"]` says which.
+    cannot go on (launch/supervise.py) or the budget runs out; `summary["reason"]` says which.
 
     With `resume`, the learner continues from the run directory's latest checkpoint (its
     policy_version included) and metrics.jsonl is appended to.

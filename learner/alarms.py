@@ -1,12 +1,19 @@
-"""Stability alarms: detectors over the learner's per-step metrics (the rows of metrics.jsonl).
+"""The learner's alarms: the `Alarm` record, its detectors and reading alarms.jsonl.
 
 ```
-  learner step -> row (metrics.jsonl) -> AlarmMonitor.observe(row) -> [Alarm ...]
-                                              |   history: the last 2 windows of rows,
-                                              |   the warm-up's medians, per-component ranges
-                                              v
-               learner/observe.py: warn (log + alarms.jsonl + hub), pause actors, or stop
+  learner step -> row (metrics.jsonl) -> AlarmMonitor.observe(row) ----> [Alarm ...]
+       |                                      history: the last 2 windows of rows,     |
+       |                                      the warm-up's medians, component ranges  |
+       +-> batch.groups -> RewardMonitor.step(groups, row) -> reward/<...> metrics     |
+                              history of the last 2 x reward.alarm_window_steps steps  |
+                              ---> take_alarms() -> [Alarm ...] -----------------------+
+                                                                                       v
+        learner/observe.py LearnerObserver.raise_alarm, the one writer: a log line,
+        run_dir/alarms.jsonl (Alarm.record), AlarmRaised to the hub; then the action
+        alarms.stop_on / pause_on give the name: warn | pause actors (hub) | stop (checkpoint)
 ```
+
+## Stability alarms (`AlarmMonitor`): detectors over the rows of metrics.jsonl
 
 Each detector looks at the recent window (the last `alarms.window_steps` rows) and compares it
 with the window before it or with the warm-up (the first `alarms.warmup_steps` rows); medians
@@ -27,8 +34,35 @@ IS weights of 60, see tests/data/). What they catch:
     component_saturation  a `reward/<name>` component, having varied, sits flat at the top of
                           its range for a whole window (a reward being gamed)
 
-A fired detector is quiet for `alarms.cooldown_steps`. This module is pure Python (no torch): the
-tests feed it recorded metric streams, and tools read the `Alarm` records it makes.
+A fired detector is quiet for `alarms.cooldown_steps`.
+
+## Reward alarms (`RewardMonitor`): from the groups of each batch
+
+Each step it also makes the step's reward metrics (merged into the row):
+
+    reward/<component>    mean over the step's trajectories
+    reward/failed         trajectories whose reward failed (with a reason)
+    reward/flag/<name>    defences that fired (hedged, gate:format, ...)
+    reward/canary_alarms  known-wrong canaries that earned reward (actors)
+
+and raises alarms named reward:<kind>, with evidence:
+
+    reward:reward_jump_collapse  the reward mean rose by > alarm_reward_jump between the two
+                                 windows while response length or entropy fell by
+                                 > alarm_collapse_ratio
+    reward:saturated:<name>      a component with one value and no spread for
+                                 alarm_saturate_steps
+    reward:canary                an actor's canary alarm, repeated here with its evidence
+
+Provenance: each new reward provenance seen (rule hash, reward-model checkpoint, rubric hash)
+is appended to run_dir/reward_provenance.jsonl with the step it first appeared at.
+
+A sudden reward gain that comes with shorter or less varied answers is the usual signature of
+a policy that found a hole in the reward; a component stuck at one value no longer tells the
+samples of a group apart (it only shifts the reward), so it carries no signal.
+
+This module is pure Python (no torch): the tests feed it recorded metric streams, and tools
+read the records (`read_alarms`).
 """
 
 from __future__ import annotations
@@ -37,12 +71,16 @@ import collections
 import json
 import math
 import statistics
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import AlarmsConfig
+from asyncrl.config import AlarmsConfig, RewardConfig
+from asyncrl.protocol.messages import Group
+
+ALARMS_FILE = "alarms.jsonl"
 
 Row = dict[str, Any]
 
@@ -66,6 +104,10 @@ class Alarm:
             "message": self.message,
             "evidence": json_safe(self.evidence),
         }
+
+    def record(self, action: str) -> dict[str, Any]:
+        """The line of alarms.jsonl: `to_json()` and the action taken (warn | pause | stop)."""
+        return {**self.to_json(), "action": action}
 
 
 def json_safe(value: Any) -> Any:
@@ -112,6 +154,8 @@ def _window(rows: Sequence[Row]) -> list[int]:
 def _rounded(values: Sequence[float]) -> list[float]:
     return [round(v, 6) if math.isfinite(v) else v for v in values]
 
+
+# --- stability alarms ---------------------------------------------------------------------------
 
 Finding = tuple[str, dict[str, Any]] | None
 """A detector's result: None, or (message, evidence)."""
@@ -381,28 +425,176 @@ def scan(rows: Sequence[Row], cfg: AlarmsConfig) -> list[Alarm]:
     return [alarm for row in rows for alarm in monitor.observe(row)]
 
 
+# --- reward alarms ------------------------------------------------------------------------------
+
+
+class RewardMonitor:
+    """Turns each step's groups into reward metrics and raises the run-level alarms."""
+
+    def __init__(self, cfg: RewardConfig, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.history: deque[dict[str, float]] = deque(maxlen=2 * cfg.alarm_window_steps)
+        self.flat: dict[str, int] = Counter()
+        self.version = 0  # the policy version of the step being checked
+        self.alarms: list[Alarm] = []
+        """Every alarm raised so far."""
+        self.fresh: list[Alarm] = []
+        """Alarms not yet taken by the caller (`take_alarms`)."""
+        self.raised: set[str] = set()
+        self.provenances: set[str] = set()
+
+    def step(self, step: int, groups: Sequence[Group], row: dict[str, Any]) -> dict[str, float]:
+        """The reward metrics of this step (merged into its metrics row by the caller)."""
+        self.version = int(row.get("policy_version", step))
+        out = component_means(groups)
+        flags: Counter[str] = Counter()
+        failed = canaries = 0
+        for g in groups:
+            failed += sum(1 for f in g.reward_failed if f)
+            meta = g.metadata.get("reward", {}) if isinstance(g.metadata, dict) else {}
+            flags.update(meta.get("flags", {}))
+            self.note_provenance(step, meta.get("provenance"))
+            for alarm in (meta.get("canary") or {}).get("alarms", []):
+                canaries += 1
+                self.alarm(step, "canary", {"actor": g.actor_id, **alarm})
+        out["reward/failed"] = float(failed)
+        out["reward/canary_alarms"] = float(canaries)
+        out.update({f"reward/flag/{k}": float(v) for k, v in flags.items()})
+        self.check_saturation(step, groups)
+        self.history.append(
+            {
+                "reward": float(row.get("reward_mean", 0.0)),
+                "length": float(row.get("response_len_mean", 0.0)),
+                "entropy": float(row.get("entropy", math.nan)),
+            }
+        )
+        self.check_jump(step)
+        out["reward/alarms"] = float(len(self.alarms))
+        return out
+
+    def check_jump(self, step: int) -> None:
+        """Reward jump with a length or entropy collapse between the two windows."""
+        k = self.cfg.alarm_window_steps
+        if len(self.history) < 2 * k:
+            return
+        rows = list(self.history)
+        before, after = _means(rows[:k]), _means(rows[k:])
+        jump = after["reward"] - before["reward"]
+        if jump <= self.cfg.alarm_reward_jump:
+            return
+        keep = 1.0 - self.cfg.alarm_collapse_ratio
+        collapsed = [
+            m for m in ("length", "entropy") if before[m] > 0 and after[m] < keep * before[m]
+        ]
+        if collapsed:
+            self.alarm(
+                step,
+                "reward_jump_collapse",
+                {
+                    "reward_before": before["reward"],
+                    "reward_after": after["reward"],
+                    **{f"{m}_before": before[m] for m in collapsed},
+                    **{f"{m}_after": after[m] for m in collapsed},
+                    "window_steps": k,
+                },
+            )
+            self.history.clear()  # one alarm per episode of collapse
+
+    def check_saturation(self, step: int, groups: Sequence[Group]) -> None:
+        """A component with one value across every trajectory for many steps in a row."""
+        need = self.cfg.alarm_saturate_steps
+        if not need:
+            return
+        values: dict[str, list[float]] = {}
+        for g in groups:
+            for name, vs in g.reward_components.items():
+                values.setdefault(name, []).extend(vs)
+        for name, vs in values.items():
+            flat = len(vs) > 1 and max(vs) == min(vs)
+            self.flat[name] = self.flat[name] + 1 if flat else 0
+            if self.flat[name] >= need and name not in self.raised:
+                self.raised.add(name)
+                self.alarm(step, f"saturated:{name}", {"value": vs[0], "steps": self.flat[name]})
+
+    def note_provenance(self, step: int, provenance: Any) -> None:
+        """Record a provenance not seen before (a new checkpoint, rubric or rule)."""
+        if not provenance:
+            return
+        key = json.dumps(provenance, sort_keys=True)
+        if key in self.provenances:
+            return
+        self.provenances.add(key)
+        if self.run_dir is not None:
+            with (self.run_dir / "reward_provenance.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "provenance": provenance}) + "\n")
+
+    def alarm(self, step: int, kind: str, evidence: dict[str, Any]) -> None:
+        message = f"reward alarm {kind}: " + json.dumps(evidence, default=str)[:300]
+        alarm = Alarm(
+            name=f"reward:{kind}",
+            step=step,
+            policy_version=self.version,
+            message=message,
+            evidence=evidence,
+        )
+        self.alarms.append(alarm)
+        self.fresh.append(alarm)
+
+    def take_alarms(self) -> list[Alarm]:
+        """The alarms raised since the last call (for the learner's observer to raise)."""
+        fresh, self.fresh = self.fresh, []
+        return fresh
+
+
+def component_means(groups: Sequence[Group]) -> dict[str, float]:
+    """reward/<component>: the mean over the trajectories that carry the component."""
+    sums: dict[str, float] = {}
+    counts: Counter[str] = Counter()
+    for g in groups:
+        for name, values in g.reward_components.items():
+            sums[name] = sums.get(name, 0.0) + math.fsum(values)
+            counts[name] += len(values)
+    return {f"reward/{name}": sums[name] / counts[name] for name in sums if counts[name]}
+
+
+def _means(rows: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for key in rows[0]:
+        finite = [r[key] for r in rows if math.isfinite(r[key])]
+        out[key] = sum(finite) / len(finite) if finite else math.nan
+    return out
+
+
+# --- alarms.jsonl -------------------------------------------------------------------------------
+
+
 def read_alarms(path: str | Path) -> list[dict[str, Any]]:
-    """The records of an alarms.jsonl, in one shape (name, step, policy_version, action,
-    message, evidence) whether written here or by the learner's reward monitor (whose records
-    say `alarm` and `evidence` only); [] when there is no file."""
+    """The records of an alarms.jsonl (`Alarm.record`: name, step, policy_version, message,
+    evidence, action); [] when there is no file. A line torn by a crash is skipped."""
     path = Path(path)
     if not path.is_file():
         return []
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            r = json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line torn by a crash
-        evidence = r.get("evidence", {})
-        out.append(
-            {
-                "name": str(r.get("name") or f"reward:{r.get('alarm', '?')}"),
-                "step": int(r.get("step", 0)),
-                "policy_version": int(r.get("policy_version", r.get("step", 0))),
-                "action": str(r.get("action", "warn")),
-                "message": str(r.get("message") or json.dumps(evidence)),
-                "evidence": evidence,
-            }
-        )
+        out.append(record if "name" in record else _older_reward_record(record))
     return out
+
+
+def _older_reward_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A reward alarm as older runs wrote it, `{"alarm": kind, "step", "evidence"}`, in the
+    shape of `Alarm.record`."""
+    evidence = record.get("evidence", {})
+    step = int(record.get("step", 0))
+    return {
+        "name": f"reward:{record.get('alarm', '?')}",
+        "step": step,
+        "policy_version": int(record.get("policy_version", step)),
+        "message": str(record.get("message") or json.dumps(evidence)),
+        "evidence": evidence,
+        "action": str(record.get("action", "warn")),
+    }

@@ -1,4 +1,5 @@
-"""Learner checkpoints: a complete Hugging Face model directory plus optimizer and run state.
+"""Learner checkpoints, of a single-rank learner and of a sharded (FSDP2) one: a complete
+Hugging Face model directory plus optimizer and run state.
 
 Layout under a run directory:
 
@@ -6,38 +7,58 @@ Layout under a run directory:
         step_00000200/              a complete HF model dir (transformers and vLLM load it as is)
             config.json  generation_config.json  model.safetensors (or shards + index)
             tokenizer.json  tokenizer_config.json  special_tokens_map.json ...
-            optimizer.pt            torch.save(optimizer.state_dict()), loaded weights_only
-            state.json              {"policy_version": ..., "step": ..., anything else given}
+            optimizer.pt            single rank: torch.save(optimizer.state_dict()), loaded
+                                    weights_only
+            dcp/                    sharded: model and optimizer state, one file per rank plus
+                                    metadata (torch.distributed.checkpoint); loads at any world size
+            state.json              {"policy_version": ..., "step": ..., anything else given;
+                                    sharded: "world"}
         latest                      text file: the name of the newest complete checkpoint
 
-Writes are atomic: everything goes into a private `.tmp-*` directory next to the target, which
-is renamed into place only when complete; `latest` is replaced (write + rename) afterwards. A
-crash leaves either the previous checkpoint or the new one, never half of one; stray `.tmp-*`
-directories are ignored by `latest_checkpoint`. Re-saving an existing directory replaces it.
+Writes are atomic, for both kinds through one `atomic_dir` (asyncrl/files.py): everything goes
+into a `.tmp-*` directory next to the target, fsynced and renamed into place only when
+complete; `latest` is replaced (write + fsync + rename) afterwards. A crash leaves either the
+previous checkpoint or the new one, never half of one; stray `.tmp-*` directories are ignored by
+`latest_checkpoint`. Re-saving an existing directory replaces it.
 
-Weights are written by `model.save_pretrained` (safetensors; tied weights are stored once).
-Under FSDP the caller gathers a full state dict on rank 0 and passes it as `model_state_dict`;
-only rank 0 calls `save_checkpoint`. `load_checkpoint` loads full tensors into an unsharded
-model, so resume before `fully_shard`; the optimizer state it restores is the one saved (a
-sharded optimizer's state is per rank and is not covered here).
+Single rank (`save_checkpoint`): weights are written by `model.save_pretrained` (safetensors;
+tied weights are stored once); a caller holding a gathered full state dict passes it as
+`model_state_dict`. `load_checkpoint` loads full tensors into an unsharded model; the optimizer
+state it restores is the one saved.
+
+Sharded (`save_sharded`, collective): every rank writes its own shards into the same `.tmp-*`
+directory (a shared file system across nodes); rank 0 adds the consolidated HF export (gathered
+parameter by parameter onto its CPU), the tokenizer and state.json, then renames the directory
+into place and moves `latest`. `load_sharded` restores a `dcp/` checkpoint into a model that is
+sharded over any number of ranks, or not sharded at all (a single-rank learner resuming a run
+trained on several).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from asyncrl.files import atomic_dir, replace_text
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 LATEST_FILE = "latest"
 CHECKPOINTS = "checkpoints"
+DCP_DIR = "dcp"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -81,26 +102,14 @@ def save_checkpoint(
     if keep_last < 0:
         raise ValueError(f"keep_last: must be >= 0, got {keep_last}")
     tok_files = _tokenizer_files(tokenizer_dir)
-    parent = ckpt_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{ckpt_dir.name}-", dir=parent))
-    try:
-        os.chmod(tmp, 0o755)
+    with atomic_dir(ckpt_dir) as tmp:
         model.save_pretrained(tmp, state_dict=model_state_dict)
         assert any(tmp.glob("*.safetensors")), f"save_pretrained wrote no safetensors in {tmp}"
-        for src in tok_files:
-            shutil.copy2(src, tmp / src.name)
+        _copy_tokenizer(tok_files, tmp)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(blob)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, ckpt_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_latest(parent, ckpt_dir.name)
-    if keep_last:
-        _prune(parent, keep_last, keep=ckpt_dir.name)
+    _point_latest(ckpt_dir, keep_last)
     return ckpt_dir
 
 
@@ -184,36 +193,16 @@ def _load_weights(ckpt_dir: Path, model: torch.nn.Module) -> None:
         raise ValueError(f"ckpt_dir: weights missing from the checkpoint: {untied[:5]}")
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
-    os.rename(target, old / target.name)
-    os.rename(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+def _copy_tokenizer(files: list[Path], into: Path) -> None:
+    for src in files:
+        shutil.copy2(src, into / src.name)
 
 
-def _write_latest(parent: Path, name: str) -> None:
-    tmp = parent / f".{LATEST_FILE}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, parent / LATEST_FILE)
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.iterdir():
-        if not path.is_file():
-            continue
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _point_latest(ckpt_dir: Path, keep_last: int) -> None:
+    """Move `latest` to the checkpoint just written; keep only the newest `keep_last`."""
+    replace_text(ckpt_dir.parent / LATEST_FILE, ckpt_dir.name + "\n", fsync=True)
+    if keep_last:
+        _prune(ckpt_dir.parent, keep_last, keep=ckpt_dir.name)
 
 
 def _complete_checkpoints(base: Path) -> list[Path]:
@@ -238,3 +227,106 @@ def _prune(parent: Path, keep_last: int, keep: str) -> None:
     for path in complete[:-keep_last]:
         if path.name != keep:
             shutil.rmtree(path, ignore_errors=True)
+
+
+# --- a sharded (FSDP2) learner's checkpoints --------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded(
+    ckpt_dir: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    tokenizer_dir: str | Path | None,
+    *,
+    rank: int,
+    keep_last: int = 0,
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint's path.
+
+    Every rank writes its dcp/ shards into one temporary directory of a fixed name (so all
+    ranks find it); rank 0 made it and, after the shards, adds the rest and renames it into
+    place.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    tmp = ckpt_dir.parent / f".tmp-{ckpt_dir.name}"
+    if rank == 0:
+        blob = _state_json(state)
+        tok_files = _tokenizer_files(tokenizer_dir)
+        with atomic_dir(ckpt_dir, tmp):
+            _save_shards(model, optimizer, tmp, rank, blob, tok_files)
+        _point_latest(ckpt_dir, keep_last)
+    else:
+        _save_shards(model, optimizer, tmp, rank, "", [])
+    _barrier()
+    return ckpt_dir
+
+
+def _save_shards(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tmp: Path,
+    rank: int,
+    blob: str,
+    tok_files: list[Path],
+) -> None:
+    """Every rank: its dcp/ shards into `tmp`; rank 0 also the HF export, tokenizer and state."""
+    _barrier()  # rank 0 has made `tmp`
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        model.save_pretrained(tmp, state_dict=full)
+        _copy_tokenizer(tok_files, tmp)
+        (tmp / STATE_FILE).write_text(blob)
+    del full
+
+
+def is_sharded(ckpt_dir: str | Path) -> bool:
+    """True when the checkpoint holds a `dcp/` state (written by a sharded learner)."""
+    return (Path(ckpt_dir) / DCP_DIR / ".metadata").is_file()
+
+
+def load_sharded(
+    ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Collective when distributed: restore model (and optimizer) state; return state.json."""
+    ckpt_dir = Path(ckpt_dir)
+    if not is_sharded(ckpt_dir):
+        raise ValueError(f"ckpt_dir: {ckpt_dir} holds no {DCP_DIR}/ state")
+    if optimizer is not None:
+        _init_optimizer_state(optimizer)
+    if optimizer is None:
+        model_sd = get_model_state_dict(model)
+        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt_dir / DCP_DIR))
+        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        target = {"model": model_sd, "optim": optim_sd}
+        dcp.load(target, checkpoint_id=str(ckpt_dir / DCP_DIR))
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+    return json.loads((ckpt_dir / STATE_FILE).read_text())
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (AdamW makes it lazily at the first step), so
+    that the load has tensors of the right shape and sharding to fill: one step with zero
+    gradients and a zero learning rate, which leaves the parameters as they are."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr

@@ -41,18 +41,23 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.transport.connection import HubConnection
 from asyncrl.weights.backends import buffer_device
+from asyncrl.weights.broadcast import WeightPublisher
 from asyncrl.weights.digest import digest_named_tensors
 from asyncrl.weights.hf_layout import checkpoint_tensors
-from asyncrl.weights.publisher import WeightPublisher
-from learner.batch_metrics import episode_metrics, staleness_histogram, version_metrics
-from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.metrics_log import MetricsLog
+from learner.checkpoint import (
+    checkpoint_dir,
+    is_sharded,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded,
+    save_checkpoint,
+    save_sharded,
+)
+from learner.metrics_log import MetricsLog, episode_metrics, staleness_histogram, version_metrics
 from learner.observe import LearnerObserver
 from learner.parallel import SINGLE, Op, Ranks, pack_batch, recv_command, send_command, unpack_batch
 from learner.policy_model import load_policy, make_adamw
 from learner.publish import ShardedSource, actors_loaded, gather_all, sharded_digest
-from learner.reward_monitor import RewardMonitor
-from learner.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from learner.step import StepRunner
 
 
@@ -69,7 +74,6 @@ class Learner:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.reward_monitor = RewardMonitor(cfg.reward, run_dir)
         self.conn = conn  # rank 0 only: the other ranks never talk to the hub
         self.model_dir = model_dir
         self.ranks = ranks
@@ -88,7 +92,7 @@ class Learner:
         self.start_time = time.time()
         self.plan = plan
         self.live: LiveMetrics | None = None
-        self.obs: LearnerObserver | None = None  # alarms, trajectory store, evals (observe.py)
+        self.obs: LearnerObserver | None = None  # rewards, alarms, trajectories, evals (rank 0)
         self.publisher: WeightPublisher | None = None
         self.source: ShardedSource | None = None
         if ranks.is_leader:
@@ -106,6 +110,9 @@ class Learner:
     # --- the main loop ------------------------------------------------------------------------
 
     def train(self, log: MetricsLog) -> None:
+        obs = self.obs
+        if obs is None:
+            raise RuntimeError("Learner.train: set learner.obs (a LearnerObserver) first")
         self.publish()  # actors start from the learner's weights (matters after --resume)
         self.request_batch(self.policy_version)
         while self.step < self.cfg.learner.max_steps and not self.stop_event.is_set():
@@ -115,8 +122,7 @@ class Learner:
             if self.step + 1 < self.cfg.learner.max_steps:
                 self.request_batch(self.policy_version + 1)  # the hub prepares the next batch now
             start = time.perf_counter()
-            if self.obs is not None:
-                self.obs.before_step(batch)  # a sampled step: logprobs at the starting weights
+            obs.before_step(batch)  # a sampled step: logprobs at the starting weights
             metrics = self.optimize(batch)
             step_s = time.perf_counter() - start
             self.policy_version += 1
@@ -130,15 +136,11 @@ class Learner:
             if self.step % self.cfg.learner.publish_every == 0:
                 self.publish()
             row = self.step_metrics(batch, metrics, wait_s, step_s)
-            row.update(self.reward_monitor.step(self.step, batch.groups, row))
+            row.update(obs.reward_metrics(batch, row))
             log.log(self.step, row)
             if self.live is not None:  # the /metrics endpoint, when [metrics] turns it on
                 self.live.publish({**row, "step": self.step})
-            reward_alarms = self.reward_monitor.take_alarms()
-            if self.obs is not None:  # alarms (may stop the run), trajectory store
-                self.obs.after_step(batch, row, reward_alarms)
-            for alarm in reward_alarms if self.obs is None else ():
-                _print_line(f"learner: ALARM {alarm.name} at step {alarm.step}: {alarm.message}")
+            obs.after_step(batch, row)  # alarms (may stop the run), trajectory store
             every = self.cfg.learner.checkpoint_every
             if every and self.step % every == 0:
                 self.checkpoint()
@@ -400,7 +402,3 @@ class Learner:
             return digest_named_tensors(self.model.named_parameters())
         send_command(Op.DIGEST)
         return sharded_digest(self.model, leader=True)
-
-
-def _print_line(line: str) -> None:
-    print(line, flush=True)

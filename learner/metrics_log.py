@@ -1,4 +1,14 @@
-"""The learner's per-step metric log: `metrics.jsonl` for tools and plots, TensorBoard for people.
+"""What the learner logs each step, and its log: `metrics.jsonl` for tools and plots,
+TensorBoard for people, and the readers of the file (`read_metrics`, `MetricsTail`).
+
+```
+  learner step ──row──> MetricsLog.log(step, row) ──> <run_dir>/metrics.jsonl  (one JSON line)
+     row: loss statistics, staleness, throughput,      └─> <run_dir>/tb/       (TensorBoard)
+     episode_metrics, version_metrics (here),                     │
+     reward/<...> (learner/alarms.py RewardMonitor)               v
+                                      read_metrics / MetricsTail: asyncrl run's progress line,
+                                      asyncrl report, the benchmarks
+```
 
 `MetricsLog(run_dir).log(step, metrics)` appends one JSON object per line to
 `<run_dir>/metrics.jsonl`:
@@ -18,27 +28,36 @@ is written as `null` in the JSON (strict JSON has no NaN) and as NaN to TensorBo
 entries of a list are left out of its histogram. `step` and `time` are reserved keys. Keys may
 contain `/` to group TensorBoard panels (`loss/clipped_frac`). Only one process (rank 0) should
 log to a run directory.
+
+Besides the loss, the row says how the batch's episodes ended (finish reasons, failed rewards,
+turns and tool calls: `episode_metrics`) and how stale it was (per trajectory, per model token,
+and the share of trajectories made by more than one policy version: `version_metrics`).
+
+Reading needs neither torch nor tensorboard (they are imported when a `MetricsLog` opens), so
+the launcher and the tools read metrics without loading them.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import numbers
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
-from torch.utils.tensorboard.summary import histogram
 
-from launch import run as asyncrl_run
+from asyncrl.protocol.messages import Group
+
+if TYPE_CHECKING:  # imported when a MetricsLog opens: reading needs no torch or tensorboard
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -55,6 +74,8 @@ class MetricsLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         """The JSON-lines file, one object per logged step."""
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
         self._writer = EventFileWriter(str(self.run_dir / TB_DIR))
         self._tb_queue: queue.Queue[tuple[dict[str, Value], int, float] | None] = queue.Queue()
@@ -97,6 +118,8 @@ class MetricsLog:
 
     def _tb_loop(self) -> None:
         """The only user of the SummaryWriter: write queued steps, flush when idle or each 1 s."""
+        from tensorboard.compat.proto.event_pb2 import Event
+
         last_flush = time.monotonic()
         while True:
             try:
@@ -117,6 +140,9 @@ class MetricsLog:
 
 def _summary(clean: dict[str, float | int | list[float]]) -> Summary:
     """All of one step's values in one summary: numbers as scalars, lists as histograms."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard.summary import histogram
+
     summary = Summary()
     for key, value in clean.items():
         if isinstance(value, list):
@@ -126,11 +152,6 @@ def _summary(clean: dict[str, float | int | list[float]]) -> Summary:
         else:
             summary.value.add(tag=key, simple_value=float(value))
     return summary
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of `<run_dir>/metrics.jsonl`, in order (a torn line is skipped)."""
-    return asyncrl_run.read_metrics(Path(run_dir) / METRICS_FILE)
 
 
 def _clean(key: str, value: object) -> float | int | list[float]:
@@ -159,3 +180,86 @@ def _json_value(value: float | int | list[float]) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+# --- reading metrics.jsonl ----------------------------------------------------------------------
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete record of a metrics.jsonl, in order (a torn line is skipped, the line
+    being written is left for later); [] when there is no file."""
+    return MetricsTail(Path(path), keep=None).poll()
+
+
+class MetricsTail:
+    """The records a growing metrics.jsonl gained since the last poll, parsed once each: the
+    progress line of a long run costs its new lines, not the whole file every second."""
+
+    def __init__(self, path: Path, keep: int | None = 10) -> None:
+        self.path = path
+        self.offset = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The last `keep` records (all of them with keep=None), new ones read first."""
+        if self.path.is_file():
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            complete = data.rfind(b"\n") + 1  # a line without its newline is still being written
+            for line in data[:complete].splitlines():
+                try:
+                    self.recent.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # blank, or torn by a crash and continued by a resumed learner
+            self.offset += complete
+        return list(self.recent)
+
+
+# --- what a step's row says about its batch -----------------------------------------------------
+
+
+def episode_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Per-sample means of how the batch's episodes went: finish reasons (`finish/<reason>`,
+    fractions), failed rewards, and for multi-turn tasks turns, tool calls, failed and malformed
+    calls, tool and environment seconds."""
+    num = sum(g.size for g in groups)
+    reasons = collections.Counter(r for g in groups for r in g.finish_reasons)
+    out = {f"finish/{reason}": count / num for reason, count in sorted(reasons.items())}
+    out["reward_failed_frac"] = sum(1 for g in groups for f in g.reward_failed if f) / num
+    if any(g.num_turns for g in groups):
+        out["turns_mean"] = sum(sum(g.num_turns) for g in groups) / num
+        out["tool_s_mean"] = sum(sum(g.tool_s) for g in groups) / num
+        out["env_s_mean"] = sum(sum(g.env_s) for g in groups) / num
+        for key in ("tool_calls", "tool_errors", "malformed_calls"):
+            out[f"{key}_per_episode"] = sum(int(g.metadata.get(key, 0)) for g in groups) / num
+    return out
+
+
+def version_metrics(groups: Sequence[Group], version: int, eta: int) -> dict[str, Any]:
+    """Staleness (`version` minus the producing version) counted per trajectory (its oldest
+    token, what the hub's bound uses) and per model token; and the share of trajectories
+    made by more than one version (in-flight updates, multi-turn episodes)."""
+    per_traj, per_token, mixed = [], np.zeros(eta + 2, np.int64), 0
+    for g in groups:
+        for t in g.trajectories():
+            per_traj.append(version - t.min_policy_version)
+            mixed += t.max_policy_version > t.min_policy_version
+            ages = version - t.token_versions()[t.loss_mask.astype(bool)]
+            per_token += np.bincount(np.clip(ages, 0, eta + 1), minlength=eta + 2)
+    return {
+        "staleness_hist_trajectories": staleness_histogram(per_traj, eta),
+        "staleness_hist_tokens": per_token.tolist(),
+        "staleness_tokens_mean": float(
+            (per_token * np.arange(eta + 2)).sum() / max(per_token.sum(), 1)
+        ),
+        "mixed_version_frac": mixed / max(len(per_traj), 1),
+    }
+
+
+def staleness_histogram(values: Sequence[int], max_staleness: int) -> list[int]:
+    """Counts of staleness 0..max_staleness, then one bin for anything staler."""
+    hist = [0] * (max_staleness + 2)
+    for v in values:
+        hist[min(max(v, 0), max_staleness + 1)] += 1
+    return hist

@@ -1,16 +1,18 @@
-"""The learner's observability (rank 0): alarms and their actions, the trajectory store,
-evaluation results, and optional Weights & Biases logging.
+"""The learner's observability (rank 0): the reward monitor, alarms and their actions (the one
+writer of alarms.jsonl), the trajectory store, evaluation results, and optional Weights & Biases
+logging.
 
 ```
   Learner.train, each step:
     before_step(batch)  ── a sampled step? one group's learner logprobs (π at the step's start)
     optimize(batch)
+    reward_metrics(batch, row) ── RewardMonitor.step: reward/<...> into the row (metrics.jsonl)
     after_step(batch, row)
-       ├─ AlarmMonitor.observe(row), the reward monitor's alarms
-       │      ──> warning + alarms.jsonl + AlarmRaised to the hub
+       ├─ AlarmMonitor.observe(row), the reward monitor's alarms (learner/alarms.py)
+       │      ──> raise_alarm: warning + alarms.jsonl + AlarmRaised to the hub
        │                                          action: warn | pause (hub) | stop (checkpoint)
        ├─ outliers (reward or length far from recent steps) and an alarm's batch ──> flagged shard
-       ├─ the sampled group ──> sample shard (asyncrl/trajectory_store.py)
+       ├─ the sampled group ──> sample shard (learner/trajectory_store.py)
        └─ W&B (when configured): the row, and evaluations received since the last step
   hub ──EvalResult──> [connection thread] on_eval_result: eval.jsonl + TensorBoard (tb/eval)
 ```
@@ -27,35 +29,51 @@ from __future__ import annotations
 import collections
 import json
 import queue
+import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from asyncrl.config import RunConfig
 from asyncrl.evaluation import EvalLog, summarize
+from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol.messages import AlarmRaised, Batch, EvalResult, Group
-from learner.advantages import group_advantages
-from learner.alarms import Alarm, AlarmMonitor, json_safe
-from learner.batching import collate
+from asyncrl.transport.connection import HubConnection
+from learner.alarms import ALARMS_FILE, Alarm, AlarmMonitor, RewardMonitor, json_safe
+from learner.parallel import Ranks
+from learner.step import StepRunner, collate, group_advantages
 from learner.trajectory_store import Kept, TrajectoryWriter, build_table
 
-if TYPE_CHECKING:
-    from learner.loop import Learner
-
 OUTLIER_STEPS = 50  # recent steps whose trajectories define "normal" reward and length
-ALARMS_FILE = "alarms.jsonl"
 FLUSH_EVERY_STEPS = 100  # flagged trajectories reach the disk at least this often
 
 
-class LearnerObserver:
-    """Everything the learner watches and keeps beyond metrics.jsonl."""
+class ObservedLearner(Protocol):
+    """What the observer reads of the learner (learner/loop.py's `Learner`)."""
 
-    def __init__(self, learner: Learner) -> None:
+    cfg: RunConfig
+    run_dir: Path
+    model_dir: Path
+    conn: HubConnection | None
+    step: int
+    policy_version: int
+    live: LiveMetrics | None
+    stop_event: threading.Event
+    ranks: Ranks
+    pad_id: int
+    runner: StepRunner
+
+
+class LearnerObserver:
+    """Everything the learner watches and keeps beyond the loss."""
+
+    def __init__(self, learner: ObservedLearner) -> None:
         cfg, run_dir = learner.cfg, Path(learner.run_dir)
         self.learner, self.cfg, self.run_dir = learner, cfg, run_dir
+        self.rewards = RewardMonitor(cfg.reward, run_dir)
         self.monitor = AlarmMonitor(cfg.alarms) if cfg.alarms.enabled else None
         self.actions = {name: "stop" for name in cfg.alarms.names("stop_on")}
         self.actions.update(
@@ -91,14 +109,17 @@ class LearnerObserver:
         group = batch.groups[(step // self.cfg.trajectories.sample_every_steps) % len(batch.groups)]
         self.sample = ([group], self.learner_logprobs([group]))
 
-    def after_step(
-        self, batch: Batch, row: dict[str, Any], reward_alarms: Sequence[Alarm] = ()
-    ) -> None:
+    def reward_metrics(self, batch: Batch, row: dict[str, Any]) -> dict[str, float]:
+        """The step's reward metrics (reward/<...>), for its row; any reward alarm they raise
+        is raised by `after_step`."""
+        return self.rewards.step(self.learner.step, batch.groups, row)
+
+    def after_step(self, batch: Batch, row: dict[str, Any]) -> None:
         """Alarms (the stability detectors' and the reward monitor's) and their actions, the
         store's shards, W&B."""
         step = self.learner.step
         alarms = self.monitor.observe({"step": step, **row}) if self.monitor else []
-        alarms += reward_alarms
+        alarms += self.rewards.take_alarms()
         for alarm in alarms:
             self.raise_alarm(alarm)
         self.keep(batch, alarms)
@@ -119,7 +140,7 @@ class LearnerObserver:
     def raise_alarm(self, alarm: Alarm) -> None:
         """Warn with the evidence, record it, tell the hub, and act as configured."""
         action = self.actions.get(alarm.name, "warn")
-        record = {**alarm.to_json(), "action": action}
+        record = alarm.record(action)
         self.num_alarms += 1
         evidence = json.dumps(record["evidence"])
         print(

@@ -18,7 +18,7 @@ srun, a Kubernetes indexed Job) starts each rank with them, on any number of nod
 gloo on CPU, nccl where CUDA is present.
 
 Batches: rank 0 receives the step's whole batch from the hub and broadcasts its encoded bytes
-(the wire format of asyncrl/protocol.py, no pickle); every rank trains on its own contiguous
+(the wire format of asyncrl/protocol/codec.py, no pickle); every rank trains on its own contiguous
 slice of the groups (`shard_groups`), so every group is trained exactly once and a group's
 samples stay together (its advantages are normalised over the group). Loss denominators are
 the step's global counts divided by the world size, because FSDP2 averages gradients over the

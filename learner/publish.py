@@ -9,13 +9,16 @@
 
 The whole model is never gathered on one rank: at any time rank 0 holds the two staging buffers
 of its dtype plus the one parameter being gathered (copied into its place in the bucket and
-released at once), so a publication costs two buckets plus one parameter of extra memory. The gathers are collectives, so ranks > 0 run the same
-loop (`gather_all`) whenever rank 0 publishes; rank 0 drains the loop to the end even when the
-broadcast to the actors fails, so the other ranks never wait on a gather that never comes.
+released at once), so a publication costs two buckets plus one parameter of extra memory. The
+gathers are collectives, so ranks > 0 run the same loop (`gather_all`) whenever rank 0
+publishes; rank 0 drains the loop to the end even when the broadcast to the actors fails, so the
+other ranks never wait on a gather that never comes.
 
-With one rank the learner keeps the non-blocking snapshot path of asyncrl/weights/publisher.py;
-with several, the learner waits for the publication (its time is the step's `weight_sync_s`).
-At the end of a run, `actors_loaded` asks the hub which version each actor has loaded.
+With one rank the learner keeps the non-blocking snapshot path of `WeightPublisher.publish`
+(asyncrl/weights/broadcast.py); with several, the learner waits for the publication
+(`publish_blocking`; its time is the step's `weight_sync_s`). This stays in the learner because
+it needs the learner's FSDP2 shards; the core's broadcast only sees buckets. At the end of a
+run, `actors_loaded` asks the hub which version each actor has loaded.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the hub keeps per connected client: identity, role, liveness, the acknowledgements it
 is owed, and the messages its full pipe could not take yet. No clock; the one socket use is
 `Outbox`, which the hub's ROUTER sends through. (Dedup by (actor_id, seq) outlives connections
-and hub processes, so it lives in replay/state.py.)
+and hub processes, so it lives in replay/core.py.)
 
 Acks: the hub acknowledges a group once it is stored (or known), but sends the acks of one
 burst of received messages together, after the burst. A client that said `batched_acks` in its
@@ -18,7 +18,8 @@ from typing import Any
 
 import zmq
 
-from asyncrl.protocol.messages import Ack, Hello, SampleRequest
+from asyncrl.protocol.codec import encode
+from asyncrl.protocol.messages import Ack, Hello, Message
 from asyncrl.transport.sockets import NOBLOCK, send_parts
 
 
@@ -136,26 +137,23 @@ class Registry:
         return lines
 
 
-@dataclass
-class Parked:
-    """A sample request waiting for enough eligible groups."""
-
-    identity: bytes
-    request: SampleRequest
-    since: float
-
-
 class Outbox:
     """Sends on the hub's ROUTER without ever blocking the loop: a peer whose pipe is full
     (SNDHWM) gets a backlog, flushed in order as it drains; a peer that is gone loses what was
     meant for it (counted in `dropped`)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, pack_frames_below: int) -> None:
         self.sock = sock
+        self.pack_frames_below = pack_frames_below  # replay.pack_frames_below, for `encode`
         self.backlog: dict[bytes, collections.deque[list[Any]]] = {}
         self.dropped = 0
 
+    def send_message(self, identity: bytes, msg: Message) -> None:
+        """Encode `msg` and send it to `identity`."""
+        self.send(identity, encode(msg, self.pack_frames_below))
+
     def send(self, identity: bytes, frames: list[Any]) -> None:
+        """Send encoded (or received, forwarded) frames to `identity`."""
         pending = self.backlog.get(identity)
         if pending:
             pending.append(frames)

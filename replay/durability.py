@@ -60,6 +60,7 @@ from typing import Any
 from asyncrl.config import ReplayConfig
 from asyncrl.protocol.codec import decode
 from asyncrl.protocol.messages import Group
+from replay.core import HubState
 from replay.snapshot import (
     SnapshotJob,
     load_snapshot,
@@ -69,7 +70,6 @@ from replay.snapshot import (
     segment_path,
     take_spare,
 )
-from replay.state import HubState
 from replay.syncer import Syncer
 from replay.wal_records import (
     END,

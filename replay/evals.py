@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from asyncrl.config import EvalConfig, RunConfig
+from asyncrl.prompt_records import Prompt
 from asyncrl.protocol.messages import CreditItem, EvalRequest, EvalResult
-from replay.prompts import Prompt, credit_seed, load_dataset
+from replay.prompts import credit_seed, load_dataset
 
 
 def held_out_split(rows: Sequence[Prompt], cfg: EvalConfig) -> tuple[list[Prompt], list[Prompt]]:

@@ -74,7 +74,7 @@ def main(argv: Sequence[str]) -> int:
     keep_freed_buffers()  # before ZeroMQ's I/O thread starts allocating
     hub = Hub(cfg, dataset, bind=args.bind, allow_insecure=args.allow_insecure)
     if cfg.metrics.hub_port:
-        hub.live = start_metrics("hub", "hub", cfg.metrics.hub_port, HUB_COUNTERS)
+        hub.obs.live = start_metrics("hub", "hub", cfg.metrics.hub_port, HUB_COUNTERS)
     if args.endpoint_file:
         replace_text(Path(args.endpoint_file), hub.endpoint + "\n")  # never half-written
     print(f"asyncrl replay: serving on {hub.endpoint}", flush=True)

@@ -10,16 +10,19 @@
 
 `StatusRequest` and `Control` need no Hello (an operator's one-off query): the socket already
 admits only loopback peers, or with CURVE only allow-listed keys. Everything here runs on the
-hub's one thread, called from replay/server.py's loop and handlers.
+hub's one thread, called from replay/server.py's loop and handlers; it reads the hub's core
+(replay/core.py) and client registry, and sends through its outbox (replay/clients.py).
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncrl.config import RunConfig
 from asyncrl.evaluation import summarize
+from asyncrl.metrics import LiveMetrics
 from asyncrl.protocol.messages import (
     AlarmRaised,
     Control,
@@ -28,12 +31,10 @@ from asyncrl.protocol.messages import (
     Status,
     StatusRequest,
 )
-from replay.clients import Client
-from replay.evals import EvalSchedule, held_out_split
-from replay.prompts import Prompt
-
-if TYPE_CHECKING:
-    from replay.server import Hub
+from replay.clients import Client, Outbox, Registry
+from replay.core import HubCore
+from replay.durability import Recovery, WriteAheadLog
+from replay.evals import EvalSchedule
 
 ROLE_OF = {EvalResult: "actor", AlarmRaised: "learner"}
 """Which role may send each message handled here (the hub refuses the others)."""
@@ -46,21 +47,35 @@ MAX_ALARMS = 50
 class HubObserver:
     """Status summaries, alarms, pause state and the evaluation schedule of one hub."""
 
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(
+        self,
+        cfg: RunConfig,
+        core: HubCore,
+        clients: Registry,
+        outbox: Outbox,
+        evals: EvalSchedule,
+        *,
+        endpoint: str,
+        errors: collections.Counter[str],
+        wal: WriteAheadLog | None,
+        recovery: Recovery,
+    ) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.clients = clients
+        self.outbox = outbox
+        self.evals = evals
+        self.endpoint = endpoint
+        self.errors = errors  # the hub's refusals, by code
+        self.wal = wal
+        self.recovery = recovery
+        self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
         self.started = time.monotonic()
         self.paused = ""  # why the actors are paused ("" = not paused)
         self.alarms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_ALARMS)
         self.num_alarms = 0
         self.samples: collections.deque[tuple[float, int, int, int]] = collections.deque()
-        self.evals = EvalSchedule(hub.cfg, [])
         self.handlers = {AlarmRaised: self.on_alarm, EvalResult: self.on_eval_result}
-
-    def split(self, rows: list[Prompt]) -> list[Prompt]:
-        """The training rows; the held-out ones become the evaluation set."""
-        train, held = held_out_split(rows, self.hub.cfg.eval)
-        self.evals = EvalSchedule(self.hub.cfg, held)
-        return train
 
     # --- messages -------------------------------------------------------------------------------
 
@@ -70,7 +85,7 @@ class HubObserver:
             if msg.action not in ("pause", "resume"):
                 raise ProtocolError("action", f"must be pause or resume, got {msg.action!r}")
             self.pause(msg.reason or "operator") if msg.action == "pause" else self.resume()
-        self.hub.send(identity, Status(status=self.summary()))
+        self.outbox.send_message(identity, Status(status=self.summary()))
 
     def on_alarm(self, client: Client, msg: AlarmRaised, frames: list[Any]) -> None:
         if msg.action not in ("warn", "pause", "stop"):
@@ -98,9 +113,9 @@ class HubObserver:
                 raise ProtocolError(name, f"must hold num_samples x prompts = {n * prompts} values")
         if not self.evals.accept(msg, summarize(msg)):
             return  # a late answer to a request already sent elsewhere: logged once, by the other
-        for learner in self.hub.clients.by_identity.values():
+        for learner in self.clients.by_identity.values():
             if learner.role == "learner":
-                self.hub.outbox.send(learner.identity, list(frames))  # forwarded as received
+                self.outbox.send(learner.identity, list(frames))  # forwarded as received
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -120,9 +135,9 @@ class HubObserver:
         out evaluations."""
         if not self.samples or now - self.samples[-1][0] >= 1.0:
             self.publish_metrics()
-            c = self.hub.counters
+            c = self.core.state.counters
             self.samples.append(
-                (now, c["groups_received"], c["groups_consumed"], self.hub.policy_version)
+                (now, c["groups_received"], c["groups_consumed"], self.core.policy_version)
             )
             while now - self.samples[0][0] > RATE_WINDOW_S:
                 self.samples.popleft()
@@ -130,7 +145,7 @@ class HubObserver:
 
     def publish_metrics(self) -> None:
         """Hand the live metrics endpoint (when on) a snapshot of the counters."""
-        live = self.hub.live
+        live = self.live
         if live is None:
             return
         snapshot = self.stats()
@@ -140,14 +155,14 @@ class HubObserver:
 
     def schedule_eval(self, now: float) -> None:
         """Send the evaluation due (if any) to the actor holding the newest weights."""
-        if not any(c.role == "learner" for c in self.hub.clients.by_identity.values()):
+        if not any(c.role == "learner" for c in self.clients.by_identity.values()):
             return  # results go to the learner: none connected yet (or any more)
-        actors = list(self.hub.clients.actors())
-        request = self.evals.ready(self.hub.policy_version, now, {c.identity for c in actors})
+        actors = list(self.clients.actors())
+        request = self.evals.ready(self.core.policy_version, now, {c.identity for c in actors})
         if request is None or not actors:
             return
         actor = max(actors, key=lambda c: c.loaded_version)
-        self.hub.send(actor.identity, request)
+        self.outbox.send_message(actor.identity, request)
         self.evals.sent(request, actor.identity, now)
 
     # --- the summary ----------------------------------------------------------------------------
@@ -163,7 +178,7 @@ class HubObserver:
             }
         (t0, r0, c0, v0), (t1, r1, c1, v1) = self.samples[0], self.samples[-1]
         dt = max(t1 - t0, 1e-9)
-        group_size = self.hub.cfg.actor.group_size
+        group_size = self.cfg.actor.group_size
         return {
             "window_s": round(dt, 3),
             "groups_received_per_s": (r1 - r0) / dt,
@@ -173,11 +188,11 @@ class HubObserver:
         }
 
     def staleness(self) -> dict[str, Any]:
-        hist = self.hub.staleness_hist
+        hist = self.core.state.staleness_hist
         total = sum(hist.values())
         mean = sum(k * v for k, v in hist.items()) / total if total else 0.0
         return {
-            "bound": self.hub.cfg.replay.max_staleness,
+            "bound": self.cfg.replay.max_staleness,
             "mean": mean,
             "max": max(hist) if hist else 0,
             "hist": {str(k): v for k, v in sorted(hist.items())},
@@ -185,26 +200,26 @@ class HubObserver:
 
     def summary(self) -> dict[str, Any]:
         """The live summary `Status` carries."""
-        hub, stats = self.hub, self.stats()
+        core, stats = self.core, self.stats()
         clients = stats.pop("clients")
         for line in clients.values():
             if "loaded_version" in line and line.get("role") == "actor":
-                line["lag"] = hub.policy_version - int(line["loaded_version"])
+                line["lag"] = core.policy_version - int(line["loaded_version"])
         ev = self.evals
         in_flight = ev.in_flight.request.policy_version if ev.in_flight else None
         return {
             "time": time.time(),
             "uptime_s": time.monotonic() - self.started,
-            "endpoint": hub.endpoint,
-            "policy_version": hub.policy_version,
+            "endpoint": self.endpoint,
+            "policy_version": core.policy_version,
             "paused": self.paused,
             "clients": clients,
             "throughput": self.rates(),
             "staleness": self.staleness(),
             "buffer": {
-                "stored": len(hub.buffer),
-                "capacity": hub.buffer.capacity,
-                "parked_requests": len(hub.parked),
+                "stored": len(core.state.buffer),
+                "capacity": core.state.buffer.capacity,
+                "parked_requests": len(core.parked),
             },
             "errors": stats.pop("errors"),
             "counters": stats,
@@ -222,22 +237,22 @@ class HubObserver:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest`."""
-        hub = self.hub
-        state = hub.state
-        clients = hub.clients.describe(state.credits.held_by, time.monotonic())
+        core = self.core
+        state = core.state
+        clients = self.clients.describe(state.credits.held_by, time.monotonic())
         book, prompts = state.credits, state.prompts
         lent = sum(map(len, state.lent.values()))
         return {
             **{k: state.counters[k] for k in COUNTED},
-            "sends_dropped": hub.outbox.dropped,
+            "sends_dropped": self.outbox.dropped,
             "credits_issued": book.num_issued,
             "credits_outstanding": book.outstanding,
             "credits_expired": book.num_expired,
             "credits_returned": book.num_returned,
-            "policy_version": hub.policy_version,
-            "stored": len(hub.buffer),
-            "parked_requests": len(hub.parked),
-            "errors": dict(hub.errors),
+            "policy_version": core.policy_version,
+            "stored": len(state.buffer),
+            "parked_requests": len(core.parked),
+            "errors": dict(self.errors),
             "clients": clients,
             "dataset_epoch": prompts.epoch,
             "prompts_reissued": prompts.num_reissued,
@@ -247,7 +262,7 @@ class HubObserver:
         }
 
     def durability(self) -> dict[str, Any]:
-        wal, found = self.hub.wal, self.hub.recovery
+        wal, found = self.wal, self.recovery
         if wal is None:
             return {"mode": "volatile"}
         return {
@@ -262,7 +277,7 @@ class HubObserver:
         }
 
 
-def _writes(wal: Any) -> dict[str, int]:
+def _writes(wal: WriteAheadLog) -> dict[str, int]:
     """How the log's bytes reached the disk: written from the frames' own memory (placed) or
     copied through the O_DIRECT staging buffer (replay/direct_io.py)."""
     if wal.syncer is None:

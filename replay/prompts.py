@@ -1,7 +1,8 @@
 """The prompt source of the hub: a JSONL dataset, a cursor over epochs, and a re-issue queue.
 
-Dataset: one JSON object per line, ``{"prompt_id": str, "prompt": str, "info": {...}?}``; blank
-lines are skipped; errors name the file and line number; prompt ids must be unique.
+Dataset: the prompts file, one record ``{"prompt_id": str, "prompt": str, "info": {...}?}`` a
+line, read with the schema the actors write it by (asyncrl/prompt_records.py): blank lines are
+skipped, errors name the file and line number, prompt ids must be unique.
 
 `next_prompt()` takes from the re-issue queue first (prompts whose group was dropped as stale,
 whose credit expired with a dead actor, or that an actor handed back), then from the cursor,
@@ -15,54 +16,17 @@ same prompt attempts regardless of timing.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Prompt:
-    prompt_id: str
-    prompt: str
-    info: dict[str, Any] = field(default_factory=dict)
+from asyncrl.prompt_records import Prompt, parse_record, read_jsonl
 
 
 def load_dataset(path: str | Path) -> list[Prompt]:
-    """Read and validate a JSONL prompt dataset."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset {path}: file not found")
-    prompts: list[Prompt] = []
-    seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                prompt = _parse_line(path, line_no, line)
-                if prompt.prompt_id in seen:
-                    raise ValueError(f"{path}:{line_no}: duplicate prompt_id {prompt.prompt_id!r}")
-                seen.add(prompt.prompt_id)
-                prompts.append(prompt)
-    if not prompts:
-        raise ValueError(f"dataset {path}: no prompts")
-    return prompts
-
-
-def _parse_line(path: Path, line_no: int, line: str) -> Prompt:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{line_no}: must be a JSON object")
-    for key in ("prompt_id", "prompt"):
-        if not isinstance(row.get(key), str):
-            raise ValueError(f"{path}:{line_no}: {key} must be a string")
-    info = row.get("info", {})
-    if not isinstance(info, dict):
-        raise ValueError(f"{path}:{line_no}: info must be an object")
-    return Prompt(row["prompt_id"], row["prompt"], info)
+    """The hub's dataset: the prompt records of a prompts file, in order (asyncrl/prompt_records.py
+    says what a record holds and which errors name their file and line)."""
+    return read_jsonl(path, parse_record, what="dataset", noun="prompts")
 
 
 class PromptSource:

@@ -1,4 +1,6 @@
-"""The hub (`asyncrl replay`): with `Outbox` (replay/clients.py), replay's only socket code.
+"""The hub (`asyncrl replay`): the loop that polls, decodes, sends and holds Acks and Batches
+back until the durable commit; with `Outbox` (replay/clients.py), replay's only socket code.
+Every decision (credits, storing a group, versions, batches, admission) is replay/core.py's.
 
     actors (DEALER)                       hub (one ROUTER, one thread)                learner
     ---------------                       ----------------------------                -------
@@ -15,8 +17,8 @@
     WeightsLoaded, Heartbeat, Bye ------> liveness; a dead actor's credits are re-issued
 
 Back-pressure: actors generate only with credits, and credits are issued only while
-`replay.admission` allows (the learner's version moves the window; an actor's share is bounded
-by the window at the weights it holds, from WeightsLoaded), so a slow learner makes actors
+admission allows (replay/core.py: the learner's version moves the window; an actor's share is
+bounded by the window at the weights it holds, from WeightsLoaded), so a slow learner makes actors
 wait instead of producing groups that would go stale; the learner waits (its request is
 parked) while too few fresh groups exist. Sends never block the loop: a peer whose pipe is full
 gets a backlog, flushed as it drains. Groups are forwarded to the learner without copying their
@@ -26,14 +28,18 @@ Bad input (garbage, truncated frames, wrong protocol, wrong types, NaN, oversize
 held, a message from an unregistered routing id) is answered with `Error(code, field, detail)`
 to its sender only, counted by code, logged at most once per sender per minute; everyone else
 keeps being served. A group for a credit of an earlier hub process (the hub restarted) is
-accepted as completed work; see asyncrl/hub_connection.py for the delivery rule.
+accepted as completed work; see asyncrl/transport/connection.py for the delivery rule.
 
-State and delivery (replay/state.py): dedup by (actor_id, seq) across connections and hub
-processes, batches lent to the learner until `BatchAck`. With `replay.durability = "durable"`
-every state change is logged (replay/durability.py); each loop turn ends with one group commit,
-and the turn's Acks and Batches leave only after it, so whatever was acknowledged survives a
+State and delivery (`HubState`, replay/core.py): dedup by (actor_id, seq) across connections
+and hub processes, batches lent to the learner until `BatchAck`. With
+`replay.durability = "durable"` every state change is logged (replay/durability.py); each loop
+turn ends with one group commit, and the turn's Acks and Batches leave only after it, so whatever was acknowledged survives a
 SIGKILL: a hub restarted on the same `replay.state_dir` recovers it and carries on, and the
 credits of clients that do not come back within heartbeat_timeout_s are re-issued.
+
+One turn of the loop (`turn`): receive up to `turn_messages` messages (each handler hands its
+message to the core; the burst's Acks go out after it), flush full pipes, expire silent
+clients, grant credits (`HubCore.grant`), serve parked requests (`HubCore.serve`), commit.
 """
 
 from __future__ import annotations
@@ -49,13 +55,10 @@ from typing import Any
 import zmq
 
 from asyncrl.config import RunConfig
-from asyncrl.metrics import LiveMetrics
-from asyncrl.protocol.codec import decode, encode
+from asyncrl.protocol.codec import decode
 from asyncrl.protocol.messages import (
-    Batch,
     BatchAck,
     CreditReturn,
-    Credits,
     Error,
     Group,
     Heartbeat,
@@ -73,19 +76,31 @@ from asyncrl.protocol.messages import (
 from asyncrl.transport import auth
 from asyncrl.transport.sockets import NOBLOCK, bind_router, recv_routed
 from replay import observer
-from replay.admission import generation_version, grant
 from replay.buffer import ReplayBuffer
-from replay.clients import Client, Outbox, Parked, Registry
+from replay.clients import Client, Outbox, Registry
+from replay.core import HubCore, HubState, Parked
 from replay.durability import Recovery, WriteAheadLog, open_log
+from replay.evals import EvalSchedule, held_out_split
 from replay.membership import Membership
-from replay.pacing import TURN_MESSAGES_MAX, refill_at, turn_messages
 from replay.prompts import PromptSource, load_dataset
-from replay.state import HubState
 
 log = logging.getLogger("asyncrl.replay")
 ROLE_OF = {Group: "actor", WeightsLoaded: "actor", SampleRequest: "learner", Version: "learner"}
 ROLE_OF[WeightsAnnounce] = ROLE_OF[BatchAck] = "learner"
 ROLE_OF.update(observer.ROLE_OF)
+TURN_MESSAGES_MIN, TURN_MESSAGES_MAX = 16, 2000
+
+
+def turn_messages(groups_per_step: int, num_clients: int) -> int:
+    """How many waiting messages one turn of the hub's loop handles before it grants credits
+    and serves parked sample requests: one learner step's worth of groups, and at least one
+    message per client (the work between turns grows with the clients).
+
+    Handling a whole burst instead (up to TURN_MESSAGES_MAX) leaves the learner waiting for a
+    batch whose groups are already here, and the actors for the credits those groups freed,
+    while only the hub works: with 32 KB groups on two CPUs, one of them then idled a sixth of
+    the time, and the hub moved 15 % fewer groups per second (bench/transport.py)."""
+    return min(TURN_MESSAGES_MAX, max(TURN_MESSAGES_MIN, groups_per_step, num_clients))
 
 
 class Hub:
@@ -100,10 +115,9 @@ class Hub:
         allow_insecure: bool = False,
     ) -> None:
         self.cfg, rc = cfg, cfg.replay
-        self.obs = observer.HubObserver(self)  # status, alarms, pause, evaluations
-        self.members = Membership(self)  # Hello, Bye, silent clients, orphaned credits
-        prompts = PromptSource(self.obs.split(load_dataset(dataset_path)), seed=cfg.run.seed)
-        self.state = HubState(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
+        train, held_out = held_out_split(load_dataset(dataset_path), cfg.eval)
+        prompts = PromptSource(train, seed=cfg.run.seed)
+        self.core = HubCore(cfg, prompts, incarnation=secrets.randbelow(2**30) + 1)
         self.config_hash = cfg.config_hash()
         self.ctx = zmq.Context(rc.io_threads)
         self.authenticator = (
@@ -113,20 +127,34 @@ class Hub:
             self.ctx, bind or rc.bind, rc, allow_insecure=allow_insecure
         )
         self.clients = Registry()
-        self.parked: collections.deque[Parked] = collections.deque()
         self.max_message_bytes = rc.max_message_bytes
-        self.outbox = Outbox(self.sock)  # sends never block; full peers get a backlog
-        self.live: LiveMetrics | None = None  # the /metrics endpoint, when [metrics] turns it on
-        self.errors: collections.Counter[str] = collections.Counter()
+        self.outbox = Outbox(self.sock, rc.pack_frames_below)  # never blocks: backlogs instead
+        self.errors: collections.Counter[str] = collections.Counter()  # refusals by code
         self.durable_lsn = math.inf  # all recorded groups may go out (acks wait for commits)
         self.wal: WriteAheadLog | None = None
         # (lsn, to, msg): an Ack or Batch sent once its records are durable
         self.gated: collections.deque[tuple[int, bytes, Message]] = collections.deque()
         self.recovery = Recovery()
+        orphans_at = 0.0
         if rc.durability == "durable":  # recover from rc.state_dir, then log every change
-            self.wal, self.recovery = open_log(self.state, rc)
+            self.wal, self.recovery = open_log(self.core.state, rc)
             if self.recovery.ops or self.recovery.snapshot_groups:  # holders may come back
-                self.members.orphans_at = time.monotonic() + rc.heartbeat_timeout_s
+                orphans_at = time.monotonic() + rc.heartbeat_timeout_s
+        # Hello, Bye, silent clients, orphaned credits
+        self.members = Membership(
+            cfg, self.core, self.clients, self.outbox, self.config_hash, orphans_at
+        )
+        self.obs = observer.HubObserver(  # status, alarms, pause, evaluations
+            cfg,
+            self.core,
+            self.clients,
+            self.outbox,
+            EvalSchedule(cfg, held_out),
+            endpoint=self.endpoint,
+            errors=self.errors,
+            wal=self.wal,
+            recovery=self.recovery,
+        )
         self.running = True
         self.handlers = {
             Group: self.on_group,
@@ -143,20 +171,24 @@ class Hub:
         self.handlers.update(self.members.handlers)  # Bye
 
     @property
+    def state(self) -> HubState:
+        return self.core.state
+
+    @property
     def policy_version(self) -> int:
-        return self.state.policy_version
+        return self.core.policy_version
 
     @property
     def buffer(self) -> ReplayBuffer:
-        return self.state.buffer
+        return self.core.state.buffer
 
     @property
     def counters(self) -> collections.Counter[str]:
-        return self.state.counters
+        return self.core.state.counters
 
     @property
-    def staleness_hist(self) -> collections.Counter[int]:
-        return self.state.staleness_hist
+    def parked(self) -> collections.deque[Parked]:
+        return self.core.parked
 
     # --- the main loop --------------------------------------------------------------------------
 
@@ -225,7 +257,7 @@ class Hub:
             if kind in observer.OPEN_TYPES:  # StatusRequest, Control: no Hello needed
                 return self.obs.on_open(identity, msg)
             if kind is Hello:
-                return self.members.on_hello(identity, msg)
+                return self.members.on_hello(identity, msg, time.monotonic())
             client = self.clients.get(identity)
             if client is None:
                 raise ProtocolError(
@@ -258,29 +290,14 @@ class Hub:
     # --- handlers -------------------------------------------------------------------------------
 
     def on_group(self, client: Client, g: Group, frames: list[Any]) -> None:
-        counters = self.counters
-        counters["groups_received"] += 1
-        if g.actor_id != client.client_id:
-            raise ProtocolError(
-                "actor_id", f"{g.actor_id!r} is not the sender {client.client_id!r}"
-            )
-        seq, credit_id = g.seq, g.credit_id
-        if self.state.is_resend(g.actor_id, seq):  # taken before: ack again, store once
-            self.state.resend(g.actor_id, seq)
-            return self.clients.owe_ack(client, seq, credit_id)
-        self.state.store(client.identity, g, frames)  # a refusal raises ProtocolError
-        self.clients.owe_ack(client, seq, credit_id)  # acked at the end of the burst
+        self.core.take_group(client.identity, client.client_id, g, frames)  # refusals raise
+        self.clients.owe_ack(client, g.seq, g.credit_id)  # acked at the end of the burst
 
     def on_sample_request(self, client: Client, msg: SampleRequest, frames: list[Any]) -> None:
-        if not 1 <= msg.num_groups <= self.buffer.capacity:
-            raise ProtocolError(
-                "num_groups", f"must be in [1, {self.buffer.capacity}], got {msg.num_groups}"
-            )
-        self.state.adopt_version(msg.policy_version, rewind=True)
-        self.parked.append(Parked(client.identity, msg, time.monotonic()))
+        self.core.request(client.identity, msg, time.monotonic())
 
     def on_version(self, client: Client, msg: Version, frames: list[Any]) -> None:
-        self.state.adopt_version(msg.policy_version, rewind=True)
+        self.core.adopt_version(msg.policy_version, rewind=True)
         newest = self.clients.newest_actors()  # an actor restarted under its id: its new session
         ids = sorted(newest)
         self.send(
@@ -299,81 +316,43 @@ class Hub:
 
     def on_weights_loaded(self, client: Client, msg: WeightsLoaded, frames: list[Any]) -> None:
         client.loaded_version = max(client.loaded_version, msg.policy_version)
+        self.core.weights_loaded(client.identity, client.loaded_version)
 
     def on_heartbeat(self, client: Client, msg: Heartbeat, frames: list[Any]) -> None:
         if client.role == "learner":  # a restarted hub learns the learner's version from it
-            self.state.adopt_version(msg.policy_version)
+            self.core.adopt_version(msg.policy_version)
         elif client.role == "actor":
             client.loaded_version = max(client.loaded_version, msg.policy_version)
+            self.core.weights_loaded(client.identity, client.loaded_version)
 
     def on_credit_return(self, client: Client, msg: CreditReturn, frames: list[Any]) -> None:
-        self.state.give_back(client.identity, msg.credit_ids)
+        self.core.give_back(client.identity, msg.credit_ids)
 
     def on_batch_ack(self, client: Client, msg: BatchAck, frames: list[Any]) -> None:
-        self.state.trained(msg.request_id)
+        self.core.trained(msg.request_id)
 
     def on_stats_request(self, client: Client, msg: StatsRequest, frames: list[Any]) -> None:
         self.send(client.identity, Stats(stats=self.stats()))
 
-    # --- state changes --------------------------------------------------------------------------
+    # --- a turn's decisions (replay/core.py), sent ----------------------------------------------
 
     def grant_credits(self) -> None:
-        """Top up each actor's credit window as far as admission allows, one message each.
-
-        Each actor's share is bounded by the window at the version it will generate with
-        (`replay.admission.grant`), which it reports in WeightsLoaded and heartbeats. An actor
-        is topped up once a quarter of its window is free (`refill_at`), not after every group.
-        """
-        if self.obs.paused:  # an alarm or an operator paused the actors
+        """Top up the actors' credit windows as far as admission allows (`HubCore.grant`),
+        unless an alarm or an operator paused the actors."""
+        if self.obs.paused:
             return
-        credits = self.state.credits
-        actors, free = [], {}
-        for c in self.clients.actors():
-            n = c.concurrency - credits.held_by(c.identity)
-            if n >= refill_at(c.concurrency):
-                actors.append(c)
-                free[c.identity] = n
-        if not actors:
-            return
-        versions = {
-            c.identity: generation_version(self.policy_version, c.loaded_version) for c in actors
-        }
-        rc, steps = self.cfg.replay, self.cfg.learner.groups_per_step
-        plan = grant(self.buffer, credits.outstanding, rc.max_staleness, steps, free, versions)
-        for identity, n in plan.items():
-            items = tuple(self.state.issue(identity, n))
-            self.send(
-                identity,
-                Credits(
-                    group_size=self.cfg.actor.group_size,
-                    policy_version=self.policy_version,
-                    items=items,
-                ),
-            )
+        for identity, credits in self.core.grant():
+            self.send(identity, credits)
 
     def serve_parked(self) -> None:
         """Answer parked sample requests in arrival order while enough eligible groups exist."""
-        while self.parked:
-            parked, state = self.parked[0], self.state
-            dropped_stale = state.dropped_since_batch
-            request = parked.request
-            groups = state.hand_out(request.request_id, request.num_groups, self.durable_lsn)
-            if not groups:
-                return
-            self.parked.popleft()
-            batch = Batch(
-                request_id=request.request_id,
-                policy_version=self.policy_version,
-                groups=tuple(groups),
-                dropped_stale=dropped_stale,
-                wait_s=time.monotonic() - parked.since,
-            )
-            self.send_committed(parked.identity, batch)
+        for identity, batch in self.core.serve(time.monotonic(), self.durable_lsn):
+            self.send_committed(identity, batch)
 
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: Message) -> None:
-        self.outbox.send(identity, encode(msg, self.cfg.replay.pack_frames_below))
+        self.outbox.send_message(identity, msg)
 
     def send_committed(self, identity: bytes, msg: Message) -> None:
         """Send a message that promises state (an Ack, a Batch): in durable mode only after the
@@ -395,7 +374,7 @@ class Hub:
             _, identity, msg = gated.popleft()
             self.send(identity, msg)
         if self.wal.due_for_snapshot():
-            self.wal.snapshot(self.state)
+            self.wal.snapshot(self.core.state)
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges, as answered to `StatsRequest` (replay/observer.py)."""

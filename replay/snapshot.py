@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 from asyncrl.protocol.codec import decode, encode
 from asyncrl.protocol.messages import Group
-from replay.state import HubState
+from replay.core import HubState
 from replay.wal_records import TornRecord, fsync_dir, pack_record, read_record, read_records
 
 SEGMENT = re.compile(r"wal-(\d+)\.log")

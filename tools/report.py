@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from asyncrl.evaluation import read_evals
-from launch.run import read_metrics
 from learner.alarms import read_alarms
+from learner.metrics_log import read_metrics
 from learner.trajectory_store import Table, load_table
 from tools.charts import Series, line_chart, smooth
 from tools.inspect import decoder, turns

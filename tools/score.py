@@ -3,7 +3,8 @@
 Uses exactly the actor's path for single-turn tasks: the task registry's `make_env` (a built-in
 name), then `reset(row, seed=0)` and `step(completion)` (the sandbox included for code tasks).
 The row is read by the task module's `row_from_json` when it has one (for humaneval: the
-package's own problem object), else as one row of a JSONL task file (`actors/envs/data.py`).
+package's own problem object), else as one row of a JSONL task file (actors/envs/data.py
+`parse_row`).
 Prints one JSON object: `reward` at the top level, then `done`, `finish_reason` and the
 environment's details (`info`, with `reward_failed` when the verifier itself failed).
 """
@@ -11,7 +12,6 @@ environment's details (`info`, with `reward_failed` when the verifier itself fai
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -19,13 +19,8 @@ from typing import Any
 
 from actors.envs.base import Row
 from actors.envs.data import from_credit, parse_row, to_record
-from actors.envs.registry import env_factory, task_target
+from actors.envs.registry import env_factory, task_module
 from asyncrl.config import TaskConfig
-
-
-def task_module(task: TaskConfig) -> Any:
-    """The module of the task's `make_env` (from the task registry)."""
-    return importlib.import_module(task_target(task).partition(":")[0])
 
 
 def row_from(module: Any, obj: Any, where: str) -> Row:
@@ -34,7 +29,7 @@ def row_from(module: Any, obj: Any, where: str) -> Row:
         raise ValueError(f"{where}: must hold one JSON object")
     if hasattr(module, "row_from_json"):
         return module.row_from_json(obj)
-    return parse_row(json.dumps(obj), default_id="row", where=where)
+    return parse_row(obj, default_id="row", where=where)
 
 
 def score(task_name: str, row_obj: Any, completion: str, where: str = "row") -> dict[str, Any]:
@@ -43,7 +38,8 @@ def score(task_name: str, row_obj: Any, completion: str, where: str = "row") -> 
     make_env = env_factory(task)
     env = make_env(task)
     row = row_from(task_module(task), row_obj, where)
-    env.reset(from_credit(**to_record(row)), seed=0)  # the row as an actor gets it from the hub
+    record = to_record(row)  # the row as an actor gets it back from the hub
+    env.reset(from_credit(record.prompt_id, record.prompt, record.info), seed=0)
     step = env.step(completion)
     if not step.done:
         raise ValueError(f"--task: {task_name} is multi-turn; score takes single-turn tasks only")

@@ -14,8 +14,8 @@ One `generate` call samples every request's `n` completions as one batch:
 
 KV caches across calls (multi-turn episodes): a request may name keys under which its samples'
 caches are kept when they finish (`cache_keys`) and a kept cache to continue (`resume_key`);
-the prefill then covers only the tokens after the cached ones (actors/engines/kv_store.py).
-Loading weights drops every kept cache.
+the prefill then covers only the tokens after the cached ones (`KvStore`, "KV caches kept
+between calls" below). Loading weights drops every kept cache.
 
 In-flight weight updates: with `between_steps` set, the engine calls it after every sampled
 token; when that call loaded new weights (`load_weights`), the KV cache of the rows still
@@ -31,20 +31,61 @@ neighbours. Sampling noise comes from the request's own generator when `seed` is
 same seed gives the same samples whatever else is in the batch) and from the engine's
 generator (seeded at construction) otherwise. Logprobs are those of the distribution actually
 sampled from, after temperature and top-p, which is what importance correction needs.
+
+The rows of one generate call (`DecodeRows`): what each sampled, for which turn, and its
+noise. A row is one sample of one request (`request.n` rows per request). Every row still
+running samples exactly one token per decoding step, so a row's turn is a contiguous range of
+the call's steps: `[turn_start, end]`. Tokens and logprobs are written into [rows, steps] tables
+that grow when a row continues past its first turn (continuation: the row's episode goes on
+with the environment's tokens appended, in the same decoding loop).
+
+```
+  step s: sample -> record(active, s) -> rows that stop or hit their limit end their turn
+          end_turn(row, s) -> Sample (tokens[turn_start..s]) -> the caller's verdict:
+             Continue(tokens, max_new_tokens, seed) -> continue_turn: the row stays, its
+                                                       context grows, its budget and seed reset;
+                                                       it waits, then start_turns(step)
+             "keep" / "end"                        -> the row leaves the batch
+```
+
+Sampling noise: seeded requests draw [n, V] Exp(1) noise per step from their own generator
+(all n rows, finished or not, so a request's stream never depends on when its rows stop); a
+continued row with a seed draws from a generator of its own turn seed, as a fresh request of
+n = 1 with that seed would; everything else draws from the engine's generator.
+
+KV caches kept between calls (`KvStore`), so a multi-turn episode's context is computed
+once. A multi-turn episode asks the engine for each turn with its whole context (prompt, earlier
+turns, observations). Without a cache kept between calls every turn prefills all of it again;
+with one, a turn prefills only what is new since the last (the last sampled token and the
+environment's observation). A request names where its rows' caches go when they finish
+(`GenerationRequest.cache_keys`, one per sample) and which cache it continues
+(`resume_key`); the torch engine keeps them here:
+
+```
+  turn k:   prefill([cached KV of resume_key] + new tokens) -> decode -> rows finish
+                                                                     |
+            KvStore[cache_keys[i]] = (tokens whose KV is held, per-layer K/V)  <-+
+  turn k+1: take(resume_key): used only if its tokens are a prefix of the new context and it
+            was computed by the weights loaded now (new weights make every entry stale)
+```
+
+An entry is used once (taking it removes it); the oldest entries are evicted beyond
+`max_entries`, and `release` drops the entries of episodes that ended.
 """
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from actors.engines.base import Continue, GenerationRequest, Sample, TurnHandler
-from actors.engines.kv_store import KvStore, batched_cache, row_entry
-from actors.engines.torch_rows import DecodeRows
 from asyncrl.weights.hf_layout import checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -401,3 +442,258 @@ def _check_request(index: int, req: GenerationRequest) -> None:
         raise ValueError(f"{where}.max_new_tokens: must be >= 1, got {req.max_new_tokens}")
     if len(req.prompt_tokens) < 1:
         raise ValueError(f"{where}.prompt_tokens: must not be empty")
+
+
+# --- the rows of one generate call ---------------------------------------------------------------
+
+WAITING = 1 << 62
+"""`turn_start` of a continued row that has not started its next turn yet."""
+
+
+class DecodeRows:
+    """Per-row state of one generate call (see the module docstring)."""
+
+    def __init__(self, requests: Sequence[GenerationRequest], device: torch.device) -> None:
+        self.requests = requests
+        self.device = device
+        counts = [r.n for r in requests]
+        self.row_req = torch.repeat_interleave(
+            torch.arange(len(requests), device=device), torch.tensor(counts, device=device)
+        )
+        self.num_rows = len(self.row_req)
+        self.first_row = np.cumsum([0, *counts[:-1]]).tolist()
+        """Row index of each request's first sample."""
+        self.row_req_list: list[int] = self.row_req.tolist()
+        self.temps = torch.tensor([r.temperature for r in requests], device=device)[self.row_req]
+        self.top_ps = torch.tensor([r.top_p for r in requests], device=device)[self.row_req]
+        self.row_max = torch.tensor([r.max_new_tokens for r in requests], device=device)
+        self.row_max = self.row_max[self.row_req]
+        self.stop_table = stop_table(requests, device)[self.row_req]
+        self.turn_start = torch.zeros(self.num_rows, dtype=torch.long, device=device)
+        self.base: list[list[int] | None] = [None] * self.num_rows
+        """A continued row's context before its current turn (None: its request's prompt)."""
+        self.seeded = {
+            i: torch.Generator(device=device).manual_seed(int(r.seed))
+            for i, r in enumerate(requests)
+            if r.seed is not None
+        }
+        self.row_gens: dict[int, torch.Generator] = {}
+        width = max(r.max_new_tokens for r in requests)
+        self.tokens = torch.zeros((self.num_rows, width), dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((self.num_rows, width), dtype=torch.float32, device=device)
+        self.step_versions: list[int] = []
+        """The policy version that sampled each step's tokens."""
+        self.last: list[Sample | None] = [None] * self.num_rows
+
+    # --- recording ----------------------------------------------------------------------
+
+    def record(
+        self,
+        active: torch.Tensor,
+        step: int,
+        token: torch.Tensor,
+        logprob: torch.Tensor,
+        version: int,
+    ) -> None:
+        """Step `step`'s tokens of the running rows."""
+        if step >= self.tokens.shape[1]:
+            grow = self.tokens.shape[1]
+            self.tokens = torch.cat([self.tokens, torch.zeros_like(self.tokens[:, :grow])], 1)
+            self.logprobs = torch.cat([self.logprobs, torch.zeros_like(self.logprobs[:, :grow])], 1)
+        self.tokens[active, step], self.logprobs[active, step] = token, logprob
+        self.step_versions.append(version)
+
+    def turn_ends(
+        self, active: torch.Tensor, step: int, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stopped, ended) over the running rows after step `step`: a stop token, or the
+        turn's token budget spent."""
+        stopped = (token.unsqueeze(1) == self.stop_table[active]).any(dim=1)
+        spent = step + 1 - self.turn_start[active] >= self.row_max[active]
+        return stopped, stopped | spent
+
+    def end_turn(self, row: int, step: int, stopped: bool) -> Sample:
+        """The row's turn that ended at `step`, as a Sample (also kept as the row's last)."""
+        start = int(self.turn_start[row])
+        versions = self.step_versions[start : step + 1]
+        varied = any(v != versions[0] for v in versions)
+        sample = Sample(
+            completion_tokens=self.tokens[row, start : step + 1].cpu().numpy().astype(np.int32),
+            logprobs=self.logprobs[row, start : step + 1].cpu().numpy().copy(),
+            finish_reason="stop" if stopped else "length",
+            policy_version=versions[0],
+            versions=np.asarray(versions, dtype=np.int32) if varied else None,
+        )
+        self.last[row] = sample
+        return sample
+
+    def continue_turn(self, row: int, step: int, nxt: Continue) -> None:
+        """The row goes on: its context gains the ended turn and `nxt.tokens`."""
+        if nxt.max_new_tokens < 1:
+            raise ValueError(f"Continue.max_new_tokens: must be >= 1, got {nxt.max_new_tokens}")
+        self.base[row] = [*self.context(row, step + 1), *nxt.tokens]
+        self.turn_start[row] = WAITING  # until start_turns: the context is `base`
+        self.row_max[row] = nxt.max_new_tokens
+        if nxt.seed is not None:
+            self.row_gens[row] = torch.Generator(device=self.device).manual_seed(int(nxt.seed))
+        else:
+            self.row_gens.pop(row, None)
+
+    def start_turns(self, rows: Iterable[int], step: int) -> None:
+        """Continued rows sample their next turn from step `step` on."""
+        for row in rows:
+            self.turn_start[row] = step
+
+    # --- reading ------------------------------------------------------------------------
+
+    def context(self, row: int, upto: int) -> list[int]:
+        """The row's tokens: its context before this turn and the turn's tokens before step
+        `upto` (after `continue_turn`, the whole context including the appended tokens)."""
+        start = int(self.turn_start[row])
+        before = self.base[row]
+        if before is None:
+            before = list(self.requests[self.row_req_list[row]].prompt_tokens)
+        return [*before, *self.tokens[row, start:upto].tolist()] if upto > start else before
+
+    def cache_key(self, row: int) -> str:
+        """Where the row's KV cache is kept when it leaves ("" when its request keeps none)."""
+        request_index = self.row_req_list[row]
+        keys = self.requests[request_index].cache_keys
+        return keys[row - self.first_row[request_index]] if keys else ""
+
+    def member(self, row: int) -> tuple[int, int]:
+        """(request index, sample index within the request) of a row."""
+        request_index = self.row_req_list[row]
+        return request_index, row - self.first_row[request_index]
+
+    def results(self) -> list[list[Sample]]:
+        """Each request's samples: every row's last turn."""
+        out: list[list[Sample]] = []
+        for i, request in enumerate(self.requests):
+            rows = self.last[self.first_row[i] : self.first_row[i] + request.n]
+            assert all(s is not None for s in rows), "a row never ended its turn"
+            out.append(list(rows))  # type: ignore[arg-type]
+        return out
+
+    def noise(
+        self, generator: torch.Generator, vocab: int, skip: Container[int] = ()
+    ) -> torch.Tensor:
+        """Exp(1) noise [rows, V] for one step (see the module docstring); continued rows in
+        `skip` (waiting to start their turn) do not advance their own streams."""
+        noise = torch.empty((self.num_rows, vocab), device=self.device)
+        noise.exponential_(generator=generator)
+        for i, gen in self.seeded.items():
+            start = self.first_row[i]
+            block = torch.empty((self.requests[i].n, vocab), device=self.device)
+            noise[start : start + self.requests[i].n] = block.exponential_(generator=gen)
+        for row, gen in self.row_gens.items():
+            if row in skip:
+                continue
+            noise[row] = torch.empty((1, vocab), device=self.device).exponential_(generator=gen)
+        return noise
+
+
+def stop_table(requests: Sequence[GenerationRequest], device: torch.device) -> torch.Tensor:
+    """Stop ids per request [R, S], padded with -1 (never a token id)."""
+    width = max(1, max(len(r.stop_token_ids) for r in requests))
+    table = torch.full((len(requests), width), -1, dtype=torch.long)
+    for i, req in enumerate(requests):
+        table[i, : len(req.stop_token_ids)] = torch.tensor(req.stop_token_ids, dtype=torch.long)
+    return table.to(device)
+
+
+# --- KV caches kept between calls ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvEntry:
+    """The KV cache of one sequence: its tokens and, per layer, keys and values [H, L, D]."""
+
+    tokens: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    version: int
+
+
+class KvStore:
+    """Per-sequence KV caches by key (see the module docstring)."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[str, KvEntry] = collections.OrderedDict()
+        self.hits = 0
+        """Requests that continued a kept cache."""
+        self.misses = 0
+        """Requests that named a cache that was gone, stale or not a prefix of their context."""
+        self.reused_tokens = 0
+        """Prompt tokens not prefilled thanks to a kept cache."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, key: str, prompt: Sequence[int], version: int) -> KvEntry | None:
+        """The entry under `key` if it can continue `prompt` under weights `version` (it is
+        removed either way)."""
+        entry = self._entries.pop(key, None) if key else None
+        if entry is None:
+            self.misses += bool(key)
+            return None
+        n = len(entry.tokens)
+        if entry.version != version or n >= len(prompt) or tuple(prompt[:n]) != entry.tokens:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.reused_tokens += n
+        return entry
+
+    def save(self, key: str, entry: KvEntry) -> None:
+        self._entries.pop(key, None)
+        self._entries[key] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Drop these entries (their sequences will not continue)."""
+        for key in keys:
+            self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop everything (the weights changed)."""
+        self._entries.clear()
+
+
+def batched_cache(
+    entries: Sequence[KvEntry | None], num_layers: int, config: object
+) -> tuple[DynamicCache, torch.Tensor, list[int]]:
+    """A DynamicCache holding each row's entry right-aligned (rows without one hold padding),
+    its attention mask [R, C] and each row's cached length."""
+    lengths = [len(e.tokens) if e is not None else 0 for e in entries]
+    width = max(lengths)
+    some = next(e for e in entries if e is not None)
+    cache = DynamicCache(config=config)
+    mask = torch.zeros((len(entries), width), dtype=torch.long, device=some.layers[0][0].device)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1 if n else 0
+    for layer in range(num_layers):
+        k0, v0 = some.layers[layer]
+        keys = k0.new_zeros((len(entries), k0.shape[0], width, k0.shape[2]))
+        values = v0.new_zeros((len(entries), v0.shape[0], width, v0.shape[2]))
+        for row, entry in enumerate(entries):
+            if entry is not None:
+                n = lengths[row]
+                keys[row, :, width - n :] = entry.layers[layer][0]
+                values[row, :, width - n :] = entry.layers[layer][1]
+        cache.update(keys, values, layer)
+    return cache, mask, lengths
+
+
+def row_entry(
+    cache: DynamicCache, row: int, mask_row: torch.Tensor, tokens: Sequence[int], version: int
+) -> KvEntry:
+    """Row `row` of a batched cache as an entry (padding columns removed)."""
+    real = mask_row.bool()
+    layers = tuple(
+        (layer.keys[row][:, real].clone(), layer.values[row][:, real].clone())
+        for layer in cache.layers
+    )
+    assert layers[0][0].shape[1] == len(tokens), (layers[0][0].shape, len(tokens))
+    return KvEntry(tokens=tuple(int(t) for t in tokens), layers=layers, version=version)

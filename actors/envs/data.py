@@ -1,6 +1,6 @@
 """Task rows from JSONL files, and how a row travels through the hub and back.
 
-A row file holds one JSON object per line:
+A row file (`task.data`) holds one JSON object per line:
 
 ```
 {"prompt": "What is 2 + 3?", "answer": "5"}
@@ -12,62 +12,42 @@ A row file holds one JSON object per line:
 - `answer`, `tests` (any JSON), `info` (an object), `prompt_id` (a string; default
   ``"<file stem>-<line number>"``); any other key is an error.
 
-Every bad row is reported with its file and line number (`ValueError`), never skipped: a blank
-line is the only thing passed over. Prompt ids must be unique.
+The file is read line by line as the hub reads its prompts file (asyncrl/prompt_records.py
+`read_jsonl`): every bad row is reported with its file and line number (`ValueError`), never
+skipped; a blank line is the only thing passed over; prompt ids must be unique.
 
-The hub hands out prompts as ``{"prompt_id", "prompt", "info"}`` (replay/prompts.py), so a row
-travels with its `answer`, `tests` and `messages` inside `info` under those names
-(`to_record`), and the actor rebuilds the row from the credit (`from_credit`). A row whose own
-`info` already uses one of those names for something else is refused.
+The hub hands out prompt records ``{"prompt_id", "prompt", "info"}`` (asyncrl/prompt_records.py
+`Prompt`), so a row travels with its `answer`, `tests` and `messages` inside `info` under those
+names (`CARRIED`, `to_record`), and the actor rebuilds the row from the credit
+(`from_credit`). A row whose own `info` already uses one of those names for something else is
+refused.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.envs.base import Row
+from asyncrl.prompt_records import CARRIED, Prompt, read_jsonl, write_records
 
 ROW_KEYS = frozenset({"prompt_id", "prompt", "messages", "answer", "tests", "info"})
-CARRIED = ("answer", "tests", "messages")
-"""Row fields that travel inside the hub's `info` under their own names."""
 
 
 def read_rows(path: str | Path) -> list[Row]:
     """The rows of a JSONL file; `ValueError` naming file and line for the first bad one."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"task.data: file not found: {str(path)!r}")
-    rows: list[Row] = []
-    seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = parse_row(line, default_id=f"{path.stem}-{line_no}", where=f"{path}:{line_no}")
-            if row.prompt_id in seen:
-                first = seen[row.prompt_id]
-                raise ValueError(
-                    f"{path}:{line_no}: prompt_id {row.prompt_id!r} already used on line {first}"
-                )
-            seen[row.prompt_id] = line_no
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+    stem = Path(path).expanduser().stem
+    return read_jsonl(
+        path,
+        lambda obj, where, line_no: parse_row(obj, default_id=f"{stem}-{line_no}", where=where),
+        what="task.data",
+        noun="rows",
+    )
 
 
-def parse_row(line: str, *, default_id: str, where: str) -> Row:
-    """One JSONL line as a `Row` (`where` prefixes every error)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
+def parse_row(obj: dict[str, Any], *, default_id: str, where: str) -> Row:
+    """One row from its JSON object (`where` prefixes every error)."""
     unknown = sorted(set(obj) - ROW_KEYS)
     if unknown:
         raise ValueError(
@@ -112,7 +92,7 @@ def check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def to_record(row: Row) -> dict[str, Any]:
+def to_record(row: Row) -> Prompt:
     """The hub's prompt record of a row (answer, tests, messages carried in `info`)."""
     info = dict(row.info)
     for key in CARRIED:
@@ -120,7 +100,7 @@ def to_record(row: Row) -> dict[str, Any]:
         if value is not None:
             info[key] = list(value) if key == "messages" else value
     prompt = row.prompt if row.prompt is not None else _last_user_text(row.messages or ())
-    return {"prompt_id": row.prompt_id, "prompt": prompt, "info": info}
+    return Prompt(row.prompt_id, prompt, info)
 
 
 def from_credit(prompt_id: str, prompt: str, info: dict[str, Any]) -> Row:
@@ -136,16 +116,9 @@ def from_credit(prompt_id: str, prompt: str, info: dict[str, Any]) -> Row:
     )
 
 
-def write_records(path: str | Path, rows: Sequence[Row]) -> Path:
+def write_rows(path: str | Path, rows: Sequence[Row]) -> Path:
     """Write the hub's prompts file for `rows` (atomically) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(to_record(row), sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_records(path, [to_record(row) for row in rows])
 
 
 def _last_user_text(messages: Sequence[dict[str, str]]) -> str:

@@ -18,9 +18,9 @@ still looks up "7"). Reward (in [0, 1]): `CALL_CREDIT` for calling the lookup to
 `KEY_CREDIT` more for calling it with the prompt's key, plus the rest times the share of the
 value's digits the answer has in the right places (divided by the longer of answer and value,
 so padding never pays, as in the sort task). The answer is the run of digits the model's final
-turn starts with (what follows it, up to the turn's token limit, is ignored). A model that never calls the tool scores only what
-guessing digits gives; the full reward needs the value. The call credits are the shaping that
-lets a random model discover the call.
+turn starts with (what follows it, up to the turn's token limit, is ignored). A model that
+never calls the tool scores only what guessing digits gives; the full reward needs the value.
+The call credits are the shaping that lets a random model discover the call.
 """
 
 from __future__ import annotations

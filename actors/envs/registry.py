@@ -3,7 +3,7 @@
 ```
   [task] name = "lookup"                 -> TASKS["lookup"] = "actors.envs.lookup:make_env"
   [task] module = "my_pkg.my_env:make_env"  (a task of your own; overrides name)
-        |  imported lazily, on first use
+        |  imported lazily, on first use (asyncrl/plugins.py: errors name the key)
         v
   make_env(task: TaskConfig) -> Env        called once per episode (keep it cheap)
   make_rows(task: TaskConfig) -> [Row]     optional, same module: generated default rows
@@ -16,14 +16,14 @@ module's `make_rows`. `write_prompts` turns them into the hub's prompts file; th
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 from actors.envs.base import Env, Row
-from actors.envs.data import read_rows, write_records
+from actors.envs.data import read_rows, write_rows
 from asyncrl.config import TaskConfig
+from asyncrl.plugins import load_attr, load_module
 
 TASKS: dict[str, str] = {
     "sort": "actors.envs.sort_task:make_env",
@@ -49,34 +49,27 @@ def task_target(task: TaskConfig) -> str:
     return TASKS[task.name]
 
 
-def load_target(target: str, key: str = "task.module") -> Any:
-    """Import "pkg.mod:attr" and return the attribute; `ValueError` naming `key` if it fails."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f'{key}: must look like "pkg.mod:make_env", got {target!r}')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{key}: cannot import {module_name!r} ({exc})") from exc
-    if not hasattr(module, attr):
-        raise ValueError(f"{key}: module {module_name!r} has no {attr!r}")
-    return getattr(module, attr)
+def task_key(task: TaskConfig) -> str:
+    """The config key errors about the task's module name: the one the user set."""
+    return "task.module" if task.module else "task.name"
+
+
+def task_module(task: TaskConfig) -> ModuleType:
+    """The module of the task's `make_env` (it may also hold `make_rows`, `make_canaries` and
+    `row_from_json`)."""
+    return load_module(task_target(task), what=task_key(task))
 
 
 def env_factory(task: TaskConfig) -> EnvFactory:
     """The task's `make_env` (imported now, so a bad name fails before any episode)."""
-    factory = load_target(task_target(task), "task.module" if task.module else "task.name")
-    if not callable(factory):
-        raise ValueError(f"task: {task_target(task)} is not callable")
-    return factory
+    return load_attr(task_target(task), what=task_key(task))
 
 
 def task_rows(task: TaskConfig) -> list[Row]:
     """The task's rows: `task.data` if set, else the task module's generated `make_rows`."""
     if task.data:
         return read_rows(task.data)
-    module_name = task_target(task).partition(":")[0]
-    make_rows = getattr(importlib.import_module(module_name), "make_rows", None)
+    make_rows = getattr(task_module(task), "make_rows", None)
     if make_rows is None:
         raise ValueError(f"task.data: task {task.name!r} generates no rows; give a JSONL file")
     return list(make_rows(task))
@@ -87,4 +80,4 @@ def write_prompts(task: TaskConfig, path: str | Path) -> Path:
     if task.dataset:
         return Path(task.dataset)
     env_factory(task)  # an unknown task fails here, before any process starts
-    return write_records(path, task_rows(task))
+    return write_rows(path, task_rows(task))

@@ -3,10 +3,11 @@
 A prompt is `num_digits` random decimal digits followed by a colon, e.g. ``"3141:"``; the
 expected completion is the same digits sorted ascending, ``"1134"``, then the end-of-sequence
 token. Every character is a single token of the tiny model's tokenizer
-(`asyncrl.tiny_model.ALPHABET`), so a completion needs `num_digits + 1` tokens.
+(`asyncrl.models.tiny.ALPHABET`), so a completion needs `num_digits + 1` tokens.
 
 The dataset is a pure function of `TaskConfig` (`seed`, `num_digits`, `num_prompts`): the same
-config always yields the same prompts with the same ids. Rows have the shape the hub reads,
+config always yields the same prompts with the same ids. Rows have the shape of the hub's prompt
+records (asyncrl/prompt_records.py),
 ``{"prompt_id": str, "prompt": str, "info": {"digits": str, "answer": str}}``.
 
 As an environment (`SortEnv`, registered as `sort`) it is one turn: the prompt is shown as raw
@@ -33,8 +34,6 @@ recomputed from `info["digits"]`).
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -42,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.envs.base import Observation, Row, Step
-from actors.rewards.base import RewardResult, Verifier, safe_score
+from actors.rewards.pipeline import RewardResult, Verifier, safe_score
 from asyncrl.config import TaskConfig
+from asyncrl.prompt_records import Prompt, write_records
 
 PROMPT_SUFFIX = ":"
 """Ends every prompt; the answer starts right after it."""
@@ -92,30 +92,9 @@ def make_prompts(task: TaskConfig) -> list[dict]:
 
 
 def write_dataset(path: str | Path, task: TaskConfig) -> Path:
-    """Write `make_prompts(task)` as JSONL to `path` (atomically) and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as f:
-        for row in make_prompts(task):
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_dataset(path: str | Path) -> list[dict]:
-    """Read a JSONL prompt dataset; each row needs `prompt_id` and `prompt` (`info` optional)."""
-    rows = []
-    with Path(path).open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row.get("prompt_id"), str) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{line_no}: row needs string prompt_id and prompt")
-            row.setdefault("info", {})
-            rows.append(row)
-    return rows
+    """Write `make_prompts(task)` as the hub's prompts file at `path` (atomically) and return
+    the path."""
+    return write_records(path, [Prompt(**row) for row in make_prompts(task)])
 
 
 class SortEnv:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.envs.base import Env, Row
-from actors.rewards.components import ScoreItem, prompt_text
+from actors.envs.registry import task_module
+from actors.rewards.pipeline import ScoreItem, prompt_text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,13 +187,7 @@ def load_canaries(cfg: Any) -> list[Canary]:
     else the built-in sort set for `sort`; [] when none applies."""
     if cfg.reward.canary_file:
         return read_canaries(cfg.reward.canary_file)
-    from actors.envs.registry import load_target, task_target
-
-    module = task_target(cfg.task).partition(":")[0]
-    try:
-        make = load_target(f"{module}:make_canaries")
-    except ValueError:
-        make = None
+    make = getattr(task_module(cfg.task), "make_canaries", None)
     if make is not None:
         return list(make(cfg.task))
     return sort_canaries() if cfg.task.name == "sort" and not cfg.task.module else []

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from actors.rewards.components import ComponentResult, InlineComponent, RewardComponent, ScoreItem
+from actors.rewards.pipeline import ComponentResult, InlineComponent, RewardComponent, ScoreItem
 from asyncrl.config import RunConfig
 
 

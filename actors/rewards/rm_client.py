@@ -1,5 +1,5 @@
 """The reward-model client: asynchronous scoring against `asyncrl reward-server`, and the
-API the reward pipeline and actors use.
+`reward_model` reward component built on it.
 
 ```
   any thread: submit(prompts, completions) -> Future   (returns at once)
@@ -36,25 +36,43 @@ A text is scored whole (the server reads the score at its last token); `submit` 
 `prompts[i] + completions[i]`. Failures raise `RewardModelError` with `code` (`bad_request`,
 `model_error`, `timeout`, `overloaded`, `closed`...), `field` and `detail`: a refused request at
 once, a retryable one (`timeout`, `overloaded`, no reply) once its retries are spent.
-The `reward_model` reward component that uses it is actors/rewards/rm_component.py.
+
+The `reward_model` component (`RewardModelComponent`, built by `make_reward_model` from
+`[reward_model]`) scores a batch of the pipeline's items through one client:
+
+```
+  submit(items) / submit_tokens(ids, decode)    requests of <= chunk items, all in flight
+        |                                       at once (the client pipelines them)
+        v
+  Future[list[ComponentResult]]                 one per item, in order, resolved on the
+                                                client's I/O thread when the last reply is in
+  provenance(): reward_model_dir, reward_model_hash (the checkpoint that scored)
+```
+
+Items carry `prompt` and `completion` texts (the pipeline's ScoreItem does), or come as token
+ids with the policy tokenizer's `decode`: the reward model tokenizes text with its own
+tokenizer. A request that fails after its retries marks its items `failed` with the reason
+(value 0.0 alongside, never a silent 0); the pipeline's failure policy decides what follows.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
 
-from asyncrl.config import RewardModelConfig
+from actors.rewards.pipeline import ComponentResult
+from asyncrl.config import RewardModelConfig, RunConfig
 from asyncrl.protocol.codec import decode, encode
 from asyncrl.protocol.messages import (
     SCORE_ERROR_CODES,
@@ -377,3 +395,118 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+# --- the `reward_model` reward component --------------------------------------------------------
+
+
+class ScoredText(Protocol):
+    """What the component reads of a pipeline item (the pipeline's ScoreItem has both)."""
+
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True)
+class _Text:
+    prompt: str
+    completion: str
+
+
+class RewardModelComponent:
+    """The `reward_model` reward component: the served model's score of each item.
+
+    `submit(items)` starts scoring at once (requests of at most `chunk` items, all in flight
+    together) and returns a future of one `ComponentResult` per item; `score(items)` is
+    submit(...).result(). A request that fails after its retries marks its items `failed`
+    with the reason. `provenance()` names the checkpoint that scored (directory and
+    config+weights hash, from the replies).
+    """
+
+    name = "reward_model"
+
+    def __init__(self, client: RewardModelClient, chunk: int = 64) -> None:
+        assert chunk >= 1
+        self.client, self.chunk = client, chunk
+        self.checkpoint: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RewardModelConfig, client_id: str) -> RewardModelComponent:
+        return cls(RewardModelClient.from_config(cfg, client_id), chunk=cfg.max_batch)
+
+    def submit(self, items: Sequence[ScoredText]) -> Future[list[ComponentResult]]:
+        parts: list[tuple[int, Future]] = []
+        for lo in range(0, len(items), self.chunk):
+            part = items[lo : lo + self.chunk]
+            future = self.client.submit([i.prompt for i in part], [i.completion for i in part])
+            parts.append((len(part), future))
+        combined: Future[list[ComponentResult]] = Future()
+        if not parts:
+            combined.set_result([])
+            return combined
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def part_done(_: Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            self._gather(parts, len(items), combined)
+
+        for _, future in parts:
+            future.add_done_callback(part_done)
+        return combined
+
+    def _gather(self, parts: list[tuple[int, Future]], num_items: int, combined: Future) -> None:
+        """Every part is back: their results, in order, into `combined`."""
+        out: list[ComponentResult] = []
+        try:
+            for count, future in parts:
+                try:
+                    res: ScoreResult = future.result()
+                except RewardModelError as exc:
+                    out += [ComponentResult(value=0.0, failed=f"reward_model: {exc}")] * count
+                    continue
+                self.checkpoint = {
+                    "reward_model_dir": res.model_dir,
+                    "reward_model_hash": res.model_hash,
+                }
+                out += [ComponentResult(value=float(s)) for s in res.scores]
+            assert len(out) == num_items
+        except Exception as exc:  # reported through the future, with its reason
+            _settle(combined, error=exc)
+            return
+        _settle(combined, out)
+
+    def submit_tokens(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        decode: Callable[[Sequence[int]], str],
+    ) -> Future[list[ComponentResult]]:
+        """submit() for token ids of a group: `decode` is the policy tokenizer's (the reward
+        model tokenizes the text with its own tokenizer)."""
+        items = [
+            _Text(decode(p), decode(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)
+        ]
+        return self.submit(items)
+
+    def score(self, items: Sequence[ScoredText]) -> list[ComponentResult]:
+        return self.submit(items).result()
+
+    def provenance(self) -> dict[str, str]:
+        return dict(self.checkpoint)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def make_reward_model(cfg: RunConfig) -> RewardModelComponent:
+    """The `reward_model` component: a client of `reward_model.endpoint`."""
+    if not cfg.reward_model.endpoint:
+        raise ValueError(
+            "reward_model.endpoint: the reward_model component needs a server "
+            "(set it, or reward_model.serve = true under asyncrl run)"
+        )
+    return RewardModelComponent.from_config(cfg.reward_model, f"rm-{os.getpid()}")

@@ -2,7 +2,7 @@
 
 `ensure_reward_model(cache_dir, num_digits)` returns a Hugging Face directory holding a
 `LlamaForSequenceClassification` (num_labels=1, pad token `<pad>`) with the tiny character
-tokenizer of asyncrl/tiny_model.py. It is fitted by regression on generated completions of
+tokenizer of asyncrl/models/tiny.py. It is fitted by regression on generated completions of
 sort prompts, labelled by the task's verifier (actors/envs/sort_task.py): exact
 answers, the prompt's digits in other orders, wrong digits, too short or too long answers,
 with and without `<eos>`. So its score tracks sort correctness (`fit.json` in the directory

@@ -482,6 +482,7 @@ class _Credits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     group_size: int
     policy_version: int
     items: list[_Item]
+    min_weights_version: int = 0
     type: str = ""
     protocol: int = 0
 
@@ -516,5 +517,10 @@ def decode_credits(bufs: list[memoryview]) -> Credits | None:
         else:
             return None
         items.append(new_message(CreditItem, fields))
-    fields = {"group_size": c.group_size, "policy_version": c.policy_version, "items": tuple(items)}
+    fields = {
+        "group_size": c.group_size,
+        "policy_version": c.policy_version,
+        "items": tuple(items),
+        "min_weights_version": c.min_weights_version,
+    }
     return new_message(Credits, fields)

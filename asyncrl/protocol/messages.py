@@ -312,6 +312,9 @@ class Credits:
     group_size: int
     policy_version: int
     items: tuple[CreditItem, ...]
+    min_weights_version: int = appended_field(0)
+    """The oldest weights the actor may generate these credits with (the hub's floor: v - η
+    rounded down to a published version, replay/core.py `weights_floor`); 0 = any."""
 
 
 @dataclass(frozen=True, kw_only=True)

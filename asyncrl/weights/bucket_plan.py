@@ -107,7 +107,10 @@ class BucketPlan:
         specs = _validated(params)
         buckets: list[Bucket] = []
         for dtype in sorted({dtype for _, _, dtype in specs}):
-            group = sorted((s for s in specs if s[2] == dtype), key=lambda s: _natural_key(s[0]))
+            # natural order; the name itself breaks ties (`0` and `00` have one natural key)
+            group = sorted(
+                (s for s in specs if s[2] == dtype), key=lambda s: (_natural_key(s[0]), s[0])
+            )
             limit = max(1, bucket_bytes // DTYPE_BYTES[dtype])
             for entries in _pack(group, limit):
                 numel = sum(e.numel for e in entries)

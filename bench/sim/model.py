@@ -1,9 +1,9 @@
 """The discrete-event model of an asyncrl cluster: actors, the hub, the learner, weight syncs.
 
 ```
-                 credits (replay.admission: AReaL window at the actor's weights, capacity,
+                 credits (replay/core.py: AReaL window at the actor's weights, capacity,
                  credit window)
-   A actors  <----------------------------------------------  SimHub (real ReplayBuffer)
+   A actors  <----------------------------------------------  HubCore (the hub's own core)
    take up to `concurrency` held credits, generate one batch   |  ^     ^
    (time: timing.GenerationTime), push one Group each  ------>-+  |     | SampleRequest(v, B)
    WeightsLoaded(w) on every swap  ---------------------------|->+     | (parked until B groups
@@ -13,17 +13,21 @@
                                 non-blocking                  v += 1, Version(v), publish
 ```
 
-Both sides behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`, `replay/server.py`):
+The hub is asyncrl's: `replay.core.HubCore`, the same decisions `replay/server.py` takes (its
+credits, buffer, staleness bound, admission and batches), driven here by simulated messages
+instead of sockets; actors are named by their id's bytes, the learner by b"learner". The
+actors and the learner behave as asyncrl's do (`actors/actor.py`, `learner/loop.py`):
 
 - The hub bounds each actor's credits by the AReaL window at the version the actor will
-  generate with, w = min(hub version, loaded version) (`replay.admission.grant`): groups stamped
+  generate with, w = min(hub version, loaded version) (`replay.core.grant`): groups stamped
   w must be consumed by version w + η, so credits the window at w has no room for would only
   make groups that go stale. An actor swaps in the newest weights at each generation boundary
   (the end of its batch) and, when idle, as soon as a sync lands, and reports each swap to the
   hub (WeightsLoaded), whose window for it moves up when that message arrives.
 - An actor holding credits granted at hub version c waits, at its generation boundary, until it
-  holds weights >= c - η, rounded down to a published version (every `publish_every`-th)
-  (`Actor.wait_for_weights`); the wait counts as idle. `wait_for_weights=False` models the
+  holds weights >= c - η, rounded down to a published version (every `publish_every`-th): the
+  floor its Credits carry (`Credits.min_weights_version`, `Actor.wait_for_weights`); the wait
+  counts as idle. `wait_for_weights=False` models the
   earlier actor that starts at once.
 - The learner pipelines its request (`Learner.train`): on receiving the batch it trains at
   version v it asks at once for the next one with version v + 1, so the hub adopts v + 1
@@ -63,6 +67,7 @@ from a fixed per-batch part.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -71,11 +76,18 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.config import ActorConfig, LearnerConfig, ReplayConfig, RunConfig
+from asyncrl.prompt_records import Prompt
+from asyncrl.protocol.messages import CreditItem, Credits, Group, SampleRequest, Trajectory
+from replay.core import HubCore
+from replay.prompts import PromptSource
+
 from .config import SimConfig, SimResult, SimulationStalled
-from .hub import Credit, SimHub
 from .timing import LengthModel, Spread
 from .tracker import Tracker
 
+NUM_PROMPTS = 16384
+LEARNER = b"learner"
 PRIO_SYNC, PRIO_GEN_DONE, PRIO_STEP_DONE, PRIO_MESSAGE, PRIO_ACTOR_START = 0, 1, 2, 3, 4
 
 
@@ -84,14 +96,9 @@ class Simulation:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.hub = SimHub(
-            max_staleness=cfg.max_staleness,
-            groups_per_step=cfg.groups_per_step,
-            group_size=cfg.group_size,
-            capacity=cfg.capacity_groups,
-            sampling=cfg.sampling,
-            seed=cfg.seed,
-        )
+        prompts = PromptSource([Prompt(f"p{i}", "") for i in range(NUM_PROMPTS)], seed=cfg.seed)
+        self.hub = HubCore(hub_config(cfg), prompts, incarnation=1)
+        self.groups = _GroupMaker(cfg.group_size)
         self.lengths = _LengthPool(cfg.lengths, np.random.default_rng(cfg.seed))
         # own streams, so adding a spread leaves the length draws as they were
         self.gen_spread = Spread(cfg.generation.spread, np.random.default_rng([cfg.seed, 1]))
@@ -100,14 +107,17 @@ class Simulation:
         self.events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
         self.serial = itertools.count()
         self.actors = [_Actor(f"actor-{i:06d}") for i in range(cfg.num_actors)]
-        self.by_id = {a.actor_id: a for a in self.actors}
-        for actor in self.actors:
-            self.hub.register(actor.actor_id, cfg.credit_window or cfg.concurrency)
+        self.by_holder = {a.holder: a for a in self.actors}
+        for actor in self.actors:  # each one's Hello
+            self.hub.actor_joined(
+                actor.holder, actor.actor_id, 0, cfg.credit_window or cfg.concurrency
+            )
         self.group_tokens: dict[tuple[str, int], int] = {}
         self.policy_version = 0
         self.steps_done = 0
         self.waiting_since: float | None = None  # None while a step runs
         self.inbox: list[Any] | None = None  # a batch that came while a step ran
+        self.request_id = 0
         self.weights = _Publisher()
         self.track = Tracker(num_actors=cfg.num_actors, max_staleness=cfg.max_staleness)
 
@@ -158,21 +168,21 @@ class Simulation:
     def hub_tick(self) -> None:
         """The hub's loop after a message: grant credits, serve the parked request."""
         while True:
-            for actor_id, credits in self.hub.grant().items():
-                self.to_client(self.actor_credits, (self.by_id[actor_id], credits))
-            batch = self.hub.serve()
-            if batch is None:
+            for holder, credits in self.hub.grant():
+                self.to_client(self.actor_credits, (self.by_holder[holder], credits))
+            batches = self.hub.serve(self.now)
+            if not batches:
                 return
-            self.to_client(self.learner_receive, batch)  # then grant again: room may be freed
+            for _learner, batch in batches:  # then grant again: room may be freed
+                self.to_client(self.learner_receive, list(batch.groups))
 
     # --- actors ---------------------------------------------------------------------------------
 
-    def actor_credits(self, arg: tuple[_Actor, list[Credit]]) -> None:
+    def actor_credits(self, arg: tuple[_Actor, Credits]) -> None:
         """Credits reach an actor: hold them, note the weights they need, start if idle."""
         actor, credits = arg
-        actor.held.extend(credits)
-        need = credits[-1].policy_version - self.cfg.max_staleness
-        actor.min_weights = max(actor.min_weights, need)
+        actor.held.extend(credits.items)
+        actor.min_weights = max(actor.min_weights, credits.min_weights_version)
         self.wake(actor)
 
     def wake(self, actor: _Actor) -> None:
@@ -197,7 +207,7 @@ class Simulation:
             self.track.inflight_update()
         actor.version = self.weights.available
         self.track.weights_loaded()
-        self.to_hub(self.hub.weights_loaded, actor.actor_id, actor.version)
+        self.to_hub(self.hub.weights_loaded, actor.holder, actor.version)
         return True
 
     def actor_start(self, actor: _Actor) -> None:
@@ -206,9 +216,7 @@ class Simulation:
         actor.start_pending = False
         assert actor.version == self.weights.available, "an idle actor holds the newest weights"
         if self.cfg.wait_for_weights:
-            needed = actor.min_weights
-            needed -= needed % self.cfg.publish_every  # only these versions are published
-            if self.weights.available < needed:
+            if self.weights.available < actor.min_weights:
                 self.weights.waiters.append(actor)
                 return
         batch = self.cfg.concurrency
@@ -223,7 +231,7 @@ class Simulation:
         self.at(actor.done_at, PRIO_GEN_DONE, self.actor_done, (actor, credits, lengths))
         self.track.generation(seconds, n, sum(lengths))
 
-    def actor_done(self, arg: tuple[_Actor, list[Credit], list[int]]) -> None:
+    def actor_done(self, arg: tuple[_Actor, list[CreditItem], list[int]]) -> None:
         """Push one group per credit, its tokens made by versions batch_version .. version
         (the same one unless in-flight updates came); later if in-flight pauses came."""
         actor, credits, lengths = arg
@@ -235,7 +243,7 @@ class Simulation:
         groups = []
         for i, credit in enumerate(credits):
             groups.append(
-                self.hub.make_group(
+                self.groups.make(
                     actor.actor_id, actor.seq, credit, actor.batch_version, actor.version
                 )
             )
@@ -250,15 +258,24 @@ class Simulation:
         self.wake(actor)
         self.hub_tick()
 
-    def hub_groups(self, groups: list[Any]) -> None:
+    def hub_groups(self, groups: list[Group]) -> None:
         for group in groups:
-            self.hub.on_group(group)
+            self.hub.take_group(group.actor_id.encode(), group.actor_id, group, ())
 
     # --- learner --------------------------------------------------------------------------------
 
     def learner_request(self, policy_version: int) -> None:
         """A SampleRequest for the step that trains at `policy_version`."""
-        self.to_hub(self.hub.park, policy_version, self.cfg.groups_per_step)
+        self.request_id += 1
+        request = SampleRequest(
+            request_id=self.request_id,
+            policy_version=policy_version,
+            num_groups=self.cfg.groups_per_step,
+        )
+        self.to_hub(self.hub_request, request)
+
+    def hub_request(self, request: SampleRequest) -> None:
+        self.hub.request(LEARNER, request, self.now)
 
     def learner_receive(self, groups: list[Any]) -> None:
         """The hub sent a batch: train on it now, or keep it in the inbox while a step runs."""
@@ -289,7 +306,8 @@ class Simulation:
         self.to_hub(self.hub.adopt_version, self.policy_version)  # Version
         if self.policy_version % self.cfg.publish_every == 0:
             self.publish(self.policy_version)
-        self.track.step_done(self.steps_done, self.cfg, self.hub.num_dropped_stale)
+        dropped = self.hub.state.counters["groups_dropped_stale"]
+        self.track.step_done(self.steps_done, self.cfg, dropped)
         if self.steps_done < self.cfg.num_steps:
             if self.cfg.learner.after_s:  # metrics and logs, while the actors generate
                 self.at(self.now + self.cfg.learner.after_s, PRIO_STEP_DONE, self.learner_ready)
@@ -337,7 +355,7 @@ class Simulation:
 @dataclass(eq=False)
 class _Actor:
     actor_id: str
-    held: list[Credit] = field(default_factory=list)
+    held: list[CreditItem] = field(default_factory=list)
     busy: bool = False
     start_pending: bool = False
     version: int = 0
@@ -345,7 +363,12 @@ class _Actor:
     done_at: float = 0.0  # when its batch ends (in-flight pauses push it back)
     batch_seqs: int = 0
     seq: int = 0
-    min_weights: int = 0  # the weights version its credits require (c - η, the largest c)
+    min_weights: int = 0  # the weights its credits require (the largest Credits floor)
+
+    @property
+    def holder(self) -> bytes:
+        """The name the hub knows it by (a routing id, in asyncrl)."""
+        return self.actor_id.encode()
 
 
 class _LengthPool:
@@ -373,6 +396,74 @@ class _Publisher:
     queued: int | None = None
     published_at: dict[int, float] = field(default_factory=dict)
     waiters: list[_Actor] = field(default_factory=list)  # wait_for_weights only
+
+
+def hub_config(cfg: SimConfig) -> RunConfig:
+    """The run config the simulated hub's core is made with: the shape of `cfg`."""
+    return RunConfig(
+        replay=ReplayConfig(
+            max_staleness=cfg.max_staleness,
+            capacity_groups=cfg.capacity_groups,
+            sampling=cfg.sampling,
+        ),
+        learner=LearnerConfig(groups_per_step=cfg.groups_per_step, publish_every=cfg.publish_every),
+        actor=ActorConfig(group_size=cfg.group_size),
+    )
+
+
+class _GroupMaker:
+    """Real `Group`s for simulated generations: one built with `Group.build` per (min, max)
+    policy version (tiny arrays, `group_size` samples) and reused with each group's own
+    identity; their lengths live in the simulator, which needs them only for timing."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self._templates: dict[tuple[int, int], dict[str, Any]] = {}  # (min, max) -> fields
+
+    def make(
+        self,
+        actor_id: str,
+        seq: int,
+        credit: CreditItem,
+        policy_version: int,
+        max_version: int | None = None,
+    ) -> Group:
+        """A Group for this credit, every sample's tokens made by `policy_version` (the oldest,
+        which staleness counts from) up to `max_version` (default: the same)."""
+        versions = (policy_version, policy_version if max_version is None else max_version)
+        fields = self._templates.get(versions)
+        if fields is None:
+            template = self._template(*versions)
+            fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(Group)}
+            self._templates[versions] = fields
+        identity = {
+            "group_id": f"{actor_id}/{seq}",
+            "prompt_id": credit.prompt_id,
+            "credit_id": credit.credit_id,
+            "actor_id": actor_id,
+            "seq": seq,
+        }
+        return Group(**(fields | identity))
+
+    def _template(self, policy_version: int, max_version: int) -> Group:
+        sample = Trajectory(
+            tokens=np.zeros(2, np.int32),
+            prompt_len=1,
+            loss_mask=np.ones(1, np.uint8),
+            behavior_logprobs=np.zeros(1, np.float32),
+            reward=0.0,
+            min_policy_version=policy_version,
+            max_policy_version=max_version,
+            finish_reason="stop",
+        )
+        return Group.build(
+            group_id="template",
+            prompt_id="template",
+            credit_id=0,
+            actor_id="template",
+            seq=0,
+            trajectories=[sample] * self.group_size,
+        )
 
 
 def simulate(cfg: SimConfig) -> SimResult:

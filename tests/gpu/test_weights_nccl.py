@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asyncrl.weights.broadcast import WeightPublisher, WeightReceiver
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module, params_from_safetensors
-from asyncrl.weights.publisher import WeightPublisher
-from asyncrl.weights.receiver import WeightReceiver
 
 pytestmark = pytest.mark.gpu
 

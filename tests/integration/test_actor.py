@@ -38,11 +38,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from wire_checks import wait_for
 
-from actors.envs.sort_task import SortVerifier, read_dataset, write_dataset
+from actors.envs.sort_task import SortVerifier, write_dataset
 from asyncrl.protocol.messages import Group, Version
+from asyncrl.weights.broadcast import WeightPublisher
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
 from asyncrl.weights.digest import digest_named_tensors
-from asyncrl.weights.publisher import WeightPublisher
+from replay.prompts import load_dataset
 
 TOLERANCE = {"torch": 1e-4, "vllm": 1e-3}
 """Largest allowed |behaviour logprob - transformers logprob| per token (fp32 both sides)."""
@@ -56,7 +57,7 @@ class System:
         self.tmp, self.engine, self.model_dir = tmp, engine, model_dir
         self.cfg, self.config = write_config(tmp, model_dir, engine)
         self.dataset = write_dataset(tmp / "prompts.jsonl", self.cfg.task)
-        self.rows = {r["prompt_id"]: r for r in read_dataset(self.dataset)}
+        self.rows = {r.prompt_id: r for r in load_dataset(self.dataset)}
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.weights: dict[int, Weights] = {0: load_file(model_dir / "model.safetensors")}
         self.version = 0  # what the actor was last sent
@@ -112,7 +113,7 @@ class System:
         assert g.seq > self.last_seq, "groups of one actor are consumed in order (FIFO)"
         self.last_seq = g.seq
         row = self.rows[g.prompt_id]
-        prompt_ids = self.tokenizer(row["prompt"])["input_ids"]
+        prompt_ids = self.tokenizer(row.prompt)["input_ids"]
         assert g.size == self.cfg.actor.group_size
         assert len(g.tokens) == sum(g.seq_lens)
         assert len(g.loss_mask) == len(g.behavior_logprobs) == sum(g.seq_lens) - sum(g.prompt_lens)
@@ -129,7 +130,7 @@ class System:
             assert 1 <= len(completion) <= self.cfg.actor.max_new_tokens
             assert (t.finish_reason == "stop") == (completion[-1] == self.tokenizer.eos_token_id)
             text = self.tokenizer.decode(completion, skip_special_tokens=False)
-            expected = SortVerifier().score(row["prompt"], text, row["info"]).reward
+            expected = SortVerifier().score(row.prompt, text, row.info).reward
             assert t.reward == expected and t.reward_failed == ""
             self.check_logprobs(version, prompt_ids, completion, t.behavior_logprobs)
 

@@ -16,10 +16,11 @@ from transformers import AutoTokenizer
 from actors.actor import Actor
 from actors.engines.torch_engine import TorchEngine
 from actors.envs.sort_task import SortEnv, SortVerifier
-from actors.rewards.base import RewardResult
+from actors.rewards.pipeline import RewardResult
 from asyncrl.config import load_config
 from asyncrl.protocol.messages import Credits
 from asyncrl.transport.connection import HubConnection
+from replay.core import weights_floor
 
 
 class FlakyVerifier:
@@ -75,7 +76,9 @@ def test_credits_ask_only_for_published_weights(
     tiny_model_dir: Path, publish_every: int, eta: int, credit_versions: list[int], need: int
 ) -> None:
     """Credits granted at hub version c need weights >= c - η, rounded down to a version the
-    learner publishes (every publish_every-th); waiting for any other would never end."""
+    learner publishes (every publish_every-th); waiting for any other would never end. The hub
+    computes that floor (`replay.core.weights_floor`) and its Credits carry it; the actor keeps
+    the highest it was given."""
     overrides = [f"learner.publish_every={publish_every}", f"replay.max_staleness={eta}"]
     cfg = load_config(None, [f"model.path={json.dumps(str(tiny_model_dir))}", *overrides])
     conn = HubConnection(
@@ -94,5 +97,8 @@ def test_credits_ask_only_for_published_weights(
         make_env=lambda: SortEnv(SortVerifier()),
     )
     for version in credit_versions:
-        actor.handle(Credits(group_size=4, policy_version=version, items=()))
+        floor = weights_floor(version, eta, publish_every)
+        actor.handle(
+            Credits(group_size=4, policy_version=version, items=(), min_weights_version=floor)
+        )
     assert actor.min_weights_version == need

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from actor_cases import Learner, actor_on_hub
 
-from actors.envs.sort_task import SortEnv, SortVerifier, read_dataset
+from actors.envs.sort_task import SortEnv, SortVerifier
 from asyncrl.config import load_config, to_toml
+from replay.prompts import load_dataset
 
 PICKY = '''
-from actors.rewards.components import ComponentResult, InlineComponent
+from actors.rewards.pipeline import ComponentResult, InlineComponent
 
 class Picky(InlineComponent):
     """Fails every item whose prompt starts with an even digit."""
@@ -61,7 +62,7 @@ def test_drop_group_policy_and_component_values_on_the_wire(
         actor.run(max_groups=8)
         pushed, dropped = actor.stats["groups_pushed"], actor.stats["reward_groups_dropped"]
         assert pushed + dropped == 8 and dropped >= 1 and pushed >= 1, (pushed, dropped)
-        prompts = {r["prompt_id"]: r["prompt"] for r in read_dataset(dataset)}
+        prompts = {r.prompt_id: r.prompt for r in load_dataset(dataset)}
         learner = Learner(endpoint, cfg)
         try:
             groups = learner.groups(int(pushed))

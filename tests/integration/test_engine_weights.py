@@ -24,10 +24,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines.base import GenerationRequest
+from asyncrl.weights.broadcast import WeightPublisher, WeightReceiver
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_safetensors
 from asyncrl.weights.digest import digest_named_tensors
-from asyncrl.weights.publisher import WeightPublisher
-from asyncrl.weights.receiver import WeightReceiver
 
 BUCKET_BYTES = 64 * 1024  # small, so the tiny model spans many buckets
 TIMEOUT_S = 60.0  # generous on a shared box; only a failing path waits it out

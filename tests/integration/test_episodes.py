@@ -28,7 +28,7 @@ from actors.engines.torch_engine import TorchEngine
 from actors.envs.base import Observation, Row, Step
 from actors.episodes import Episode, EpisodeGroup, EpisodeLimits, EpisodeRunner
 from asyncrl.config import ModelConfig, TaskConfig
-from learner.batching import collate, token_logprobs
+from learner.step import collate, token_logprobs
 
 EXTRA = "?=!<>|SUATX"
 ROLE = "{{ {'system': 'S', 'user': 'U', 'assistant': 'A', 'tool': 'T'}[m['role']] }}"

@@ -298,8 +298,7 @@ def test_a_burst_is_handled_a_turn_at_a_time(tmp_path: Path) -> None:
     from asyncrl.config import load_config
     from asyncrl.protocol.codec import decode, encode
     from asyncrl.protocol.messages import PROTOCOL_VERSION, Hello, SampleRequest, Welcome
-    from replay.pacing import turn_messages
-    from replay.server import Hub
+    from replay.server import Hub, turn_messages
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text(
@@ -366,7 +365,7 @@ def test_credits_are_topped_up_a_quarter_window_at_a_time(tmp_path: Path) -> Non
     from asyncrl.config import load_config
     from asyncrl.protocol.codec import decode, encode
     from asyncrl.protocol.messages import PROTOCOL_VERSION, Hello
-    from replay.pacing import refill_at
+    from replay.core import refill_at
     from replay.server import Hub
 
     assert [refill_at(w) for w in (1, 3, 4, 16, 512)] == [1, 1, 1, 4, 128]

@@ -1,4 +1,4 @@
-"""The hub packs a Batch of small frames into one frame (asyncrl/frame_packing.py), as
+"""The hub packs a Batch of small frames into one frame (asyncrl/protocol/codec.py), as
 `replay.pack_frames_below` says; a learner decodes either the same. Real hub process, bare
 DEALER peers, so the frames on the wire are seen as they arrive."""
 

@@ -104,8 +104,8 @@ def test_a_trajectory_spanning_two_versions_is_weighted_token_by_token(
     from asyncrl.config import LossConfig
     from asyncrl.protocol.codec import decode, encode
     from asyncrl.protocol.messages import Group, Trajectory
-    from learner.batching import collate, token_logprobs
     from learner.losses import policy_loss
+    from learner.step import collate, token_logprobs
 
     new = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
     engine = TorchEngine(tiny_model_dir, seed=0)

@@ -23,11 +23,10 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import RunConfig, load_config
 from asyncrl.protocol.messages import Batch, Group, Trajectory
 from asyncrl.transport.connection import HubConnection
-from learner.advantages import group_advantages
-from learner.batching import collate, token_logprobs
 from learner.loop import Learner
 from learner.losses import policy_loss
 from learner.policy_model import make_adamw
+from learner.step import collate, group_advantages, token_logprobs
 
 
 def _group(rng: np.random.Generator, group_id: str, size: int, versions: tuple = (0, 0)) -> Group:

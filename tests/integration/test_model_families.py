@@ -1,11 +1,11 @@
 """Model families (`model.arch`) through the whole weight path, with real vLLM and the torch engine.
 
-For each tiny family (asyncrl/model_families.py: Llama, Qwen2 with tied embeddings and biases,
+For each tiny family (asyncrl/models/families.py: Llama, Qwen2 with tied embeddings and biases,
 Mistral with a sliding window, Qwen3 with q/k norms, Qwen3-MoE): the engines generate from the
 built model; the learner trains one step on what they generated (learner/step.py, shared-prompt
 packing on); the step's weights go into each engine through `load_weights` (as the actors'
 receivers hand them over); then the engines' behaviour logprobs of new samples must equal the
-learner's own recomputation (learner/batching.py token_logprobs) on the same tokens, within fp32
+learner's own recomputation (learner/step.py token_logprobs) on the same tokens, within fp32
 noise. The checkpoint export must load back in transformers with the learner's weights. The
 mismatch (mean k3 KL and max |Δ logprob|) per family is printed.
 """
@@ -24,10 +24,9 @@ from actors.engines.base import GenerationRequest, Sample
 from asyncrl.config import ModelConfig, TaskConfig, load_config
 from asyncrl.protocol.messages import Group, Trajectory
 from asyncrl.weights.hf_layout import checkpoint_tensors
-from learner.batching import collate, token_logprobs
 from learner.checkpoint import save_checkpoint
 from learner.policy_model import make_adamw
-from learner.step import StepRunner
+from learner.step import StepRunner, collate, token_logprobs
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 TOLERANCE = 2e-3

@@ -23,8 +23,7 @@ from reward_server_cases import (
 )
 from wire_checks import dealer, refused, reply, wait_for
 
-from actors.rewards.rm_client import RewardModelClient
-from actors.rewards.rm_component import RewardModelComponent
+from actors.rewards.rm_client import RewardModelClient, RewardModelComponent
 from actors.rewards.rm_model import RewardModel, weights_hash
 from asyncrl.protocol.codec import encode
 from asyncrl.protocol.messages import PROTOCOL_VERSION, Error, Hello, ScoreRequest, Scores

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.run import read_metrics
+from learner.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24

@@ -26,7 +26,7 @@ from actors.engines.torch_engine import TorchEngine
 from actors.envs.base import Observation, Row, Step
 from actors.episodes import EpisodeGroup, EpisodeLimits, EpisodeRunner
 from asyncrl.config import ModelConfig, TaskConfig
-from learner.batching import collate, token_logprobs
+from learner.step import collate, token_logprobs
 
 PROMPTS = ("3141:", "27:", "98765432:")
 OBSERVATIONS = ("12:", "4:", "777:")  # appended after a first turn; lengths differ

@@ -20,9 +20,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asyncrl.weights.broadcast import WeightPublisher, WeightReceiver
 from asyncrl.weights.bucket_plan import BucketPlan, params_from_module, params_from_safetensors
-from asyncrl.weights.publisher import WeightPublisher
-from asyncrl.weights.receiver import WeightReceiver
 
 BUCKET_BYTES = 64 * 1024  # small, so the tiny model spans many buckets
 TIMEOUT_S = 15.0  # generous for a tiny model on a shared box; only a failing path waits it out

@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from asyncrl.config import load_config
+from asyncrl.prompt_records import Prompt
 from asyncrl.protocol.codec import encode
 from asyncrl.protocol.messages import Group, Trajectory
+from replay.core import HubState
 from replay.durability import WriteAheadLog, read_records
-from replay.prompts import Prompt, PromptSource
-from replay.state import HubState
+from replay.prompts import PromptSource
 from replay.wal_records import END_MARKER, TornRecord
 
 CFG = load_config(None, ["learner.groups_per_step=2", "replay.max_staleness=1"])

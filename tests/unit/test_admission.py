@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.admission import CreditBook, allocate, credits_available
-from replay.prompts import Prompt, PromptSource, credit_seed, load_dataset
+from asyncrl.prompt_records import Prompt
+from replay.core import CreditBook, allocate, credits_available
+from replay.prompts import PromptSource, credit_seed, load_dataset
 
 
 def available(**kw: Any) -> int:

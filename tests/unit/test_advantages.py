@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from learner.advantages import group_advantages
+from learner.step import group_advantages
 
 
 def test_grpo_centres_and_scales_by_unbiased_group_std() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from asyncrl.config import AlarmsConfig, load_config
-from learner.alarms import Alarm, AlarmMonitor, scan
+from learner.alarms import ALARMS_FILE, Alarm, AlarmMonitor, read_alarms, scan
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 STREAMS = ("metrics_tiny_cpu_decoupled_eta4.jsonl.gz", "metrics_tiny_cpu_ppo_eta0.jsonl.gz")
@@ -158,6 +158,31 @@ def test_alarm_records_are_strict_json() -> None:
     alarm = AlarmMonitor(CFG).observe({"step": 3, "policy_version": 3, "entropy": math.nan})[0]
     text = json.dumps(alarm.to_json(), allow_nan=False)
     assert json.loads(text)["evidence"]["values"] == {"entropy": None}
+
+
+def test_alarms_jsonl_holds_one_record_shape_and_older_files_still_read(tmp_path: Path) -> None:
+    """`Alarm.record` is every line's shape; a reward alarm of an older run ({"alarm", "step",
+    "evidence"}) reads back in it, and a torn last line is skipped."""
+    alarm = Alarm("reward:canary", 4, 9, "canary rewarded", {"actor": "a"})
+    lines = [
+        json.dumps(alarm.record("pause")),
+        json.dumps({"alarm": "saturated:format", "step": 6, "evidence": {"value": 1.0}}),
+        '{"name": "nan", "st',
+    ]
+    path = tmp_path / ALARMS_FILE
+    path.write_text("\n".join(lines))
+    first, older = read_alarms(path)
+    assert first == {**alarm.to_json(), "action": "pause"}
+    assert older == {
+        "name": "reward:saturated:format",
+        "step": 6,
+        "policy_version": 6,
+        "message": json.dumps({"value": 1.0}),
+        "evidence": {"value": 1.0},
+        "action": "warn",
+    }
+    assert set(first) == set(older)
+    assert read_alarms(tmp_path / "none.jsonl") == []
 
 
 def test_actions_name_known_alarms() -> None:

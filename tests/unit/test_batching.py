@@ -1,4 +1,4 @@
-"""learner.batching: padding columnar groups and scoring them equals per-sample scoring."""
+"""learner.step's batching: padding columnar groups and scoring them equals per-sample scoring."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.protocol.messages import Group, Trajectory
-from learner.batching import TrainBatch, collate, pack_shared_prompts, token_logprobs
+from learner.step import TrainBatch, collate, pack_shared_prompts, token_logprobs
 
 
 def _group(rng: np.random.Generator, group_id: str, lengths: list[tuple[int, int]]) -> Group:

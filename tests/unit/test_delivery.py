@@ -1,4 +1,4 @@
-"""The hub client's delivery ledger (asyncrl/delivery.py): credits spent once, groups kept until
+"""The hub client's delivery ledger (asyncrl/transport/connection.py): credits spent once, groups kept until
 acknowledged, and what a restarted hub must hear again."""
 
 import numpy as np

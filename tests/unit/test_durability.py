@@ -23,8 +23,8 @@ from durability_cases import (
 )
 
 from asyncrl.protocol.codec import encode
+from replay.core import SeqWindow
 from replay.durability import HEADER, WriteAheadLog, pack_record
-from replay.state import SeqWindow
 
 
 def test_snapshot_plus_log_rebuilds_the_live_state(tmp_path: Path) -> None:

@@ -13,17 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from actors.chat_tokens import ChatTokens
 from actors.envs.base import Observation, Row
-from actors.envs.data import from_credit, read_rows, to_record, write_records
+from actors.envs.data import from_credit, read_rows, to_record, write_rows
 from actors.envs.lookup import lookup_reward, make_rows
 from actors.envs.lookup import make_env as make_lookup_env
 from actors.envs.registry import env_factory, task_rows, write_prompts
 from actors.envs.tool_calls import CompactCalls, JsonCalls, ToolCall
 from actors.envs.tool_env import make_env as make_tools_env
 from actors.envs.toolbox import TOOLS, Toolbox, calculator, tool
+from actors.episodes import ChatTokens
 from asyncrl.config import TaskConfig
 from asyncrl.models.tiny import build_tokenizer
+from asyncrl.plugins import load_attr
+from replay.prompts import load_dataset
 
 # --- registry -------------------------------------------------------------------------------
 
@@ -76,6 +78,23 @@ def test_bad_task_modules_are_named(module: str, message: str) -> None:
         env_factory(TaskConfig(module=module))
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("json", 'reward.modules.x: must look like "pkg.mod:attr"'),
+        ("json:a:b", "must look like"),
+        (":loads", "must look like"),
+        ("no_such_module_xyz:f", "reward.modules.x: cannot import 'no_such_module_xyz'"),
+        ("json:nope", "reward.modules.x: module 'json' has no 'nope'"),
+        ("json:__name__", r"reward.modules.x: json:__name__ is not callable"),
+    ],
+)
+def test_the_plugin_loader_names_the_key(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_attr(spec, what="reward.modules.x")
+    assert load_attr("json:loads", what="k") is json.loads
+
+
 # --- rows from files ------------------------------------------------------------------------
 
 
@@ -87,11 +106,11 @@ def test_rows_round_trip_through_the_hubs_prompt_records(tmp_path: Path) -> None
     )
     rows = read_rows(path)
     assert [r.prompt_id for r in rows] == ["rows-1", "m"]
-    records = [json.loads(line) for line in write_records(tmp_path / "p.jsonl", rows).open()]
-    back = [from_credit(r["prompt_id"], r["prompt"], r["info"]) for r in records]
+    records = load_dataset(write_rows(tmp_path / "p.jsonl", rows))  # as the hub reads them
+    back = [from_credit(r.prompt_id, r.prompt, r.info) for r in records]
     assert back[0].prompt == "2 + 3?" and back[0].answer == "5"
     assert back[1].messages == ({"role": "user", "content": "hi"},) and back[1].info["k"] == 1
-    assert to_record(rows[1])["prompt"] == "hi"
+    assert to_record(rows[1]).prompt == "hi"
 
 
 @pytest.mark.parametrize(
@@ -118,7 +137,7 @@ def test_a_bad_row_is_reported_with_its_line(tmp_path: Path, line: str, message:
 def test_duplicate_ids_and_empty_files_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "a", "prompt_id": "x"}\n{"prompt": "b", "prompt_id": "x"}\n')
-    with pytest.raises(ValueError, match=r":2: prompt_id 'x' already used on line 1"):
+    with pytest.raises(ValueError, match=r":2: duplicate prompt_id 'x' \(already used on line 1"):
         read_rows(path)
     path.write_text("\n")
     with pytest.raises(ValueError, match="no rows"):

@@ -1,4 +1,4 @@
-"""A packed Batch (asyncrl/frame_packing.py) decodes exactly as the unpacked one, arrays aligned;
+"""A packed Batch (asyncrl/protocol/codec.py) decodes exactly as the unpacked one, arrays aligned;
 the hub's threshold decides; a packed message that does not add up is refused naming `packed`."""
 
 from __future__ import annotations

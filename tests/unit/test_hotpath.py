@@ -1,4 +1,4 @@
-"""asyncrl/_hotpath.c against the Python it replaces on the group fast path: `values_ok` against
+"""asyncrl/protocol/_hotpath.c against the Python it replaces on the group fast path: `values_ok` against
 the numpy scans (NaN, infinities, the slack boundary, negative ids, mask bytes above 1, frames
 that are not aligned) and `finish_group` against `group_codec.finish_group` (every group, and
 headers edited to break each rule: the same Group, or None from both); `address` against numpy's

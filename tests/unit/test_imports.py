@@ -18,7 +18,7 @@ MODULES = [
     "asyncrl.transport.auth",
     "asyncrl.cli",
     "replay.buffer",
-    "replay.admission",
+    "replay.core",
     "replay.prompts",
     "replay.server",
     "replay.main",

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from actors.envs.base import Row
-from actors.rewards.components import ScoreItem
 from actors.rewards.judge import (
     EngineJudge,
     HttpJudge,
@@ -22,6 +21,7 @@ from actors.rewards.judge import (
     parse_grade,
     parse_winner,
 )
+from actors.rewards.pipeline import ScoreItem
 
 
 class GullibleJudge:

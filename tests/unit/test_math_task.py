@@ -104,9 +104,7 @@ def test_registered_with_generated_rows_and_jsonl_data(tmp_path: Path) -> None:
 def test_math_canaries_through_the_live_path(worker: VerifyWorker) -> None:
     from actors.envs.math_task import make_canaries
     from actors.rewards.canaries import CanaryRunner
-    from actors.rewards.components import TaskComponent
-    from actors.rewards.compose import ComposeRule
-    from actors.rewards.pipeline import RewardPipeline
+    from actors.rewards.pipeline import ComposeRule, RewardPipeline, TaskComponent
     from asyncrl.config import RewardConfig
 
     lines: list[str] = []

@@ -102,9 +102,8 @@ def test_reward_alarms_are_raised_like_the_stability_alarms(tmp_path: Path) -> N
     import threading
 
     from asyncrl.config import RewardConfig, RunConfig
-    from learner.alarms import read_alarms
+    from learner.alarms import RewardMonitor, read_alarms
     from learner.observe import LearnerObserver
-    from learner.reward_monitor import RewardMonitor
 
     learner = SimpleNamespace(
         cfg=RunConfig(),

@@ -1,5 +1,5 @@
-"""Learner-side reward metrics and run-level alarms (reward jump with collapse, saturation,
-canary alarms from the actors)."""
+"""learner/alarms.py RewardMonitor: learner-side reward metrics and run-level alarms (reward
+jump with collapse, saturation, canary alarms from the actors)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from asyncrl.config import RewardConfig
 from asyncrl.protocol.messages import Group, Trajectory
-from learner.reward_monitor import RewardMonitor, component_means
+from learner.alarms import RewardMonitor, component_means
 
 
 def group(components: dict[str, list[float]], metadata: dict | None = None) -> Group:

@@ -14,8 +14,6 @@ import pytest
 from actors.envs.base import Row, Step
 from actors.envs.sort_task import make_env as make_sort_env
 from actors.rewards.canaries import CanaryRunner, sort_canaries
-from actors.rewards.components import ComponentResult, InlineComponent, ScoreItem, done
-from actors.rewards.compose import ComposeRule
 from actors.rewards.guards import (
     FormatGate,
     OverlongPenalty,
@@ -23,7 +21,14 @@ from actors.rewards.guards import (
     overlong_penalty,
 )
 from actors.rewards.judge import JudgeComponent
-from actors.rewards.pipeline import RewardPipeline
+from actors.rewards.pipeline import (
+    ComponentResult,
+    ComposeRule,
+    InlineComponent,
+    RewardPipeline,
+    ScoreItem,
+    done,
+)
 from asyncrl.config import RewardConfig, RunConfig, TaskConfig
 
 
@@ -87,7 +92,7 @@ class Silent:
 
 
 def pipeline(components: list, weights: dict[str, float], **kw: object) -> RewardPipeline:
-    from actors.rewards.components import TaskComponent
+    from actors.rewards.pipeline import TaskComponent
 
     gates = kw.pop("gates", ())
     assert isinstance(gates, tuple)
@@ -243,7 +248,7 @@ def test_reward_config_from_a_run_config() -> None:
 
 def test_a_component_of_your_own_by_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_scorers.py").write_text(
-        "from actors.rewards.components import ComponentResult, InlineComponent\n"
+        "from actors.rewards.pipeline import ComponentResult, InlineComponent\n"
         "class Length(InlineComponent):\n"
         "    name = 'length'\n"
         "    def score_one(self, item):\n"

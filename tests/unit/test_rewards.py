@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.envs.sort_task import SortVerifier, make_verifier
-from actors.rewards.base import RewardResult, safe_score
+from actors.rewards.pipeline import RewardResult, safe_score
 from asyncrl.config import TaskConfig
 
 INFO = {"digits": "3141", "answer": "1134"}

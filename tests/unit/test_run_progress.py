@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.run import MetricsTail, progress_line, read_metrics
+from launch.run import progress_line
+from learner.metrics_log import MetricsTail, read_metrics
 
 
 def _row(step: int) -> str:

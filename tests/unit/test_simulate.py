@@ -21,7 +21,6 @@ import pytest
 from sim_cases import MEASURED, OLD, B, S, one_actor
 
 from bench.sim.cluster import ClusterAssumptions
-from bench.sim.hub import FreeSlots
 from bench.sim.model import Simulation, SimulationStalled, simulate
 from bench.sim.timing import (
     GenerationTime,
@@ -29,8 +28,9 @@ from bench.sim.timing import (
     Spread,
     check_spread,
 )
-from replay import admission
+from replay import core
 from replay.buffer import ReplayBuffer
+from replay.core import ActorSlots
 
 
 @pytest.mark.parametrize(("g", "s"), [(1.5, 0.5), (1.0, 1.5)])
@@ -106,16 +106,16 @@ def test_window_at_the_actors_version_drops_nothing(monkeypatch: pytest.MonkeyPa
     g, s = 0.5, 1.5
     sim = Simulation(one_actor(1, g, s))
     r = sim.run()
-    assert sim.hub.num_dropped_stale == 0 and r.samples_per_s == S / s
+    assert sim.hub.state.counters["groups_dropped_stale"] == 0 and r.samples_per_s == S / s
 
-    real = admission.room
+    real = core.room
 
     def room_at_hub_version(
         buffer: ReplayBuffer, in_flight: int, eta: int, groups: int, _policy_version: int
     ) -> int:
         return real(buffer, in_flight, eta, groups, buffer.policy_version)
 
-    monkeypatch.setattr(admission, "room", room_at_hub_version)
+    monkeypatch.setattr(core, "room", room_at_hub_version)
     old = simulate(one_actor(1, g, s))
     assert old.samples_per_s == S / s
     assert old.learner_idle_fraction == 0.0
@@ -154,20 +154,20 @@ def test_actor_waits_for_weights() -> None:
     assert r.groups_dropped_stale == 0
 
 
-def test_capacity_bound_comes_from_replay_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capacity_bound_comes_from_replay_core(monkeypatch: pytest.MonkeyPatch) -> None:
     # capacity = B with η = 4 and concurrency 2B: admission caps stored + in flight at B, so the
     # actor regenerates only after the learner took the last batch. The pipelined request takes
     # batch k+1 out at the start of step k, when weights k have just landed, so batch k+2 is
     # made then with weights k and consumed at k+2: staleness 2 (1 for a learner asking after
     # its step), not η = 4
     calls: list[dict[str, int]] = []
-    real = admission.credits_available
+    real = core.credits_available
 
     def spy(**kw: int) -> int:
         calls.append(kw)
         return real(**kw)
 
-    monkeypatch.setattr(admission, "credits_available", spy)
+    monkeypatch.setattr(core, "credits_available", spy)
     g, s = 1.0, 1.5
     r = simulate(one_actor(4, g, s, capacity_groups=B, concurrency=2 * B))
     assert r.staleness_histogram == [0, 0, MEASURED * B, 0, 0]
@@ -177,15 +177,15 @@ def test_capacity_bound_comes_from_replay_admission(monkeypatch: pytest.MonkeyPa
 
 
 def test_no_credit_from_admission_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "credits_available", lambda **kw: 0)
+    monkeypatch.setattr(core, "credits_available", lambda **kw: 0)
     with pytest.raises(SimulationStalled, match="no event left after 0 of"):
         simulate(one_actor(1, 1.0, 1.0))
 
 
-def test_free_slots_shortcut_matches_admission_grant() -> None:
-    """`FreeSlots.grant` hands `allocate` only the first `total` actors in its order; the grant
-    must equal `admission.grant` over every actor, also when several versions have the same
-    room (the capacity binds) and their actors interleave by free slots."""
+def test_actor_slots_shortcut_matches_core_grant() -> None:
+    """`ActorSlots.grant` hands `allocate` only the first `total` actors in its order; the grant
+    must equal `core.grant` over every actor, also when several versions have the same room
+    (the capacity binds) and their actors interleave by free slots."""
     rng = np.random.default_rng(0)
     num_shortcut = num_tied = 0
     for _ in range(200):
@@ -194,22 +194,26 @@ def test_free_slots_shortcut_matches_admission_grant() -> None:
             capacity=int(rng.integers(groups, 30)), max_staleness=eta, batch_groups=groups
         )
         buffer.drop_stale(int(rng.integers(0, 5)))
-        slots, full, versions = FreeSlots(), {}, {}
-        for _ in range(6):  # rounds of changes on the same FreeSlots, then a grant
+        slots, full, versions = ActorSlots(), {}, {}
+        for _ in range(6):  # rounds of changes on the same ActorSlots, then a grant
             for _ in range(int(rng.integers(1, 25))):
-                actor = f"a{int(rng.integers(0, 40)):03d}"
+                actor = f"a{int(rng.integers(0, 40)):03d}".encode()
                 if rng.random() < 0.4:
                     versions[actor] = int(rng.integers(versions.get(actor, 0), 5))
                     slots.move(actor, versions[actor])
-                delta = int(rng.integers(-full.get(actor, 0), 5))
-                slots.add(actor, delta)
-                full[actor] = full.get(actor, 0) + delta
+                full[actor] = full.get(actor, 0) + int(rng.integers(-full.get(actor, 0), 5))
+                slots.set(actor, full[actor])
+                if rng.random() < 0.05:
+                    slots.remove(actor)
+                    full.pop(actor)
+                    versions.pop(actor, None)
             free = {actor: n for actor, n in full.items() if n > 0}
             in_flight = int(rng.integers(0, 12))
-            room = functools.partial(admission.room, buffer, in_flight, eta, groups)
+            room = functools.partial(core.room, buffer, in_flight, eta, groups)
             every = {actor: versions.get(actor, 0) for actor in free}
-            expected = admission.grant(buffer, in_flight, eta, groups, free, every)
-            assert slots.grant(room) == expected
+            expected = core.grant(buffer, in_flight, eta, groups, free, every)
+            got = slots.grant(room)
+            assert got == expected and list(got) == list(expected)  # the same order, too
             rooms = sorted({room(u) for u in every.values()}, reverse=True)
             if rooms and rooms[0] < len(free):
                 candidates = slots.candidates(rooms[0], {u: room(u) for u in every.values()})

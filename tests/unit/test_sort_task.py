@@ -1,4 +1,4 @@
-"""The sort task's dataset: deterministic, well-formed, and in the shape the hub reads."""
+"""The sort task's dataset: deterministic, well-formed, and read by the hub as written."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from actors.envs.sort_task import (
     answer_for,
     make_prompts,
     parse_completion,
-    read_dataset,
     render_prompt,
     write_dataset,
 )
 from asyncrl.config import TaskConfig
 from asyncrl.models.tiny import ALPHABET
+from asyncrl.prompt_records import Prompt
+from replay.prompts import load_dataset
 
 
 def test_prompts_are_deterministic_in_the_seed() -> None:
@@ -43,20 +44,20 @@ def test_write_dataset_round_trips_as_jsonl(tmp_path: Path) -> None:
     path = write_dataset(tmp_path / "sub" / "prompts.jsonl", task)
     lines = path.read_text().splitlines()
     assert [json.loads(line) for line in lines] == make_prompts(task)
-    assert read_dataset(path) == make_prompts(task)
+    assert load_dataset(path) == [Prompt(**row) for row in make_prompts(task)]  # as the hub
 
 
-def test_read_dataset_rejects_rows_without_prompt(tmp_path: Path) -> None:
+def test_the_hub_rejects_rows_without_prompt(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt_id": "a", "prompt": "12:"}\n{"prompt_id": "b"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        read_dataset(path)
+    with pytest.raises(ValueError, match="bad.jsonl:2: prompt must be a string"):
+        load_dataset(path)
 
 
-def test_read_dataset_defaults_info(tmp_path: Path) -> None:
+def test_the_hub_defaults_info(tmp_path: Path) -> None:
     path = tmp_path / "ok.jsonl"
     path.write_text('{"prompt_id": "a", "prompt": "12:"}\n\n')
-    assert read_dataset(path) == [{"prompt_id": "a", "prompt": "12:", "info": {}}]
+    assert load_dataset(path) == [Prompt("a", "12:", {})]
 
 
 @pytest.mark.parametrize(

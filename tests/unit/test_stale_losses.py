@@ -17,8 +17,8 @@ import torch
 from asyncrl.config import LossConfig
 from asyncrl.protocol.codec import decode, encode
 from asyncrl.protocol.messages import Group, Trajectory
-from learner.batching import collate
 from learner.losses import policy_loss
+from learner.step import collate
 
 # d = PROX - BEH = [[0.5, -0.1, 0.0], [0.3, 0.05, pad]]; d² = 0.25, 0.01, 0, 0.09, 0.0025
 # (sum 0.3525, mean 0.0705). Dropping 0.25 leaves 0.1025 / 4 = 0.025625; then 0.09: 0.0125 / 3.
